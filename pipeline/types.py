@@ -1,0 +1,144 @@
+"""Messages that cross actor boundaries: frozen dataclasses, picklable, no Monarch imports.
+
+Token layout contract (shared by the buffer, which builds batches, and the trainer, which consumes
+them): a sample is `prompt_tokens + completion_tokens`, right-padded to the batch length `T`.
+Per-token tensors are indexed by *token position*: `loss_mask[i, t] = 1` iff token `t` of sample `i`
+is a completion token, and `behaviour_logprobs[i, t]` / `versions[i, t]` describe that token (the
+sampler's logprob of `input_ids[i, t]` given `input_ids[i, :t]`, and the policy version that sampled
+it). The trainer's logits at position `t - 1` predict token `t`, so it compares
+`log_softmax(logits[:, :-1]).gather(input_ids[:, 1:])` with `behaviour_logprobs[:, 1:]` under
+`loss_mask[:, 1:]`. Padding and prompt positions hold logprob 0 and version -1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt from a task's source; `uid` is unique within a run."""
+
+    uid: int
+    prompt: str
+    answer: str = ""
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """A prompt admitted by the buffer; the generators sample it `group_size` times."""
+
+    group_id: int
+    item: PromptItem
+    group_size: int
+    admitted_version: int
+    admitted_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One finished (or carried-over partial) sample with per-token provenance.
+
+    `logprobs[k]` and `versions[k]` belong to `completion_tokens[k]`.
+    """
+
+    group_id: int
+    sample_idx: int
+    prompt: str
+    prompt_tokens: tuple[int, ...]
+    completion: str
+    completion_tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: str
+    reward: float = 0.0
+    generator_id: int = 0
+    reprefill_tokens: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    finished_at: float = field(default_factory=time.monotonic)
+
+    def validate(self) -> None:
+        """Raise ValueError naming what is wrong; used by every receiver before it stores."""
+        n = len(self.completion_tokens)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"rollout group={self.group_id} sample={self.sample_idx}: completion_tokens ({n}), "
+                f"logprobs ({len(self.logprobs)}) and versions ({len(self.versions)}) differ in length"
+            )
+        if not self.prompt_tokens:
+            raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: empty prompt_tokens")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: reward is {self.reward}")
+        if any(not math.isfinite(x) for x in self.logprobs):
+            raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: non-finite behaviour logprob")
+        if any(v < 0 for v in self.versions):
+            raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: negative policy version")
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy that wrote any token; a rollout with no tokens counts as fresh (-1 never happens)."""
+        return min(self.versions) if self.versions else 0
+
+    @property
+    def max_version(self) -> int:
+        return max(self.versions) if self.versions else 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What the trainer consumes: padded tensors plus per-sample metadata (see module docstring)."""
+
+    input_ids: torch.Tensor  # [N, T] int64
+    loss_mask: torch.Tensor  # [N, T] float32, 1 on completion tokens
+    behaviour_logprobs: torch.Tensor  # [N, T] float32
+    versions: torch.Tensor  # [N, T] int64, -1 off completion
+    advantages: torch.Tensor  # [N] float32
+    rewards: torch.Tensor  # [N] float32
+    group_ids: tuple[int, ...]
+    trainer_version: int  # version the batch was built for (staleness reference)
+
+    def __post_init__(self) -> None:
+        n, t = self.input_ids.shape if self.input_ids.dim() == 2 else (-1, -1)
+        if n <= 0:
+            raise ValueError(f"Batch: input_ids must be a non-empty [N, T] tensor, got {tuple(self.input_ids.shape)}")
+        for name in ("loss_mask", "behaviour_logprobs", "versions"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (n, t):
+                raise ValueError(f"Batch: {name} has shape {shape}, expected {(n, t)} like input_ids")
+        for name in ("advantages", "rewards"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (n,):
+                raise ValueError(f"Batch: {name} has shape {shape}, expected {(n,)}")
+        if len(self.group_ids) != n:
+            raise ValueError(f"Batch: {len(self.group_ids)} group_ids for {n} samples")
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def staleness(self) -> torch.Tensor:
+        """Per-sample staleness = trainer_version - oldest token version ([N] int64)."""
+        big = torch.iinfo(torch.int64).max
+        v = torch.where(self.versions >= 0, self.versions, torch.full_like(self.versions, big))
+        oldest = v.min(dim=1).values
+        oldest = torch.where(oldest == big, torch.full_like(oldest, self.trainer_version), oldest)
+        return self.trainer_version - oldest
+
+
+@dataclass(frozen=True)
+class WeightVersion:
+    """Announces that weights of `version` are published under plan `plan_hash`."""
+
+    version: int
+    plan_hash: str
+    num_buckets: int
+    total_bytes: int
+    published_at: float = field(default_factory=time.monotonic)
