@@ -37,15 +37,15 @@ class TinyModelConfig:
 
     seed: int = 0
     """Seed for the tiny model's random initial weights."""
-    dim: int = 64
-    """Hidden size (>= 8, divisible by n_heads)."""
+    dim: int = 128
+    """Hidden size (>= 8, divisible by n_heads; dim/n_heads is the head size)."""
     n_layers: int = 2
     """Transformer blocks (1..64)."""
     n_heads: int = 4
     """Attention heads (>= 1)."""
     n_kv_heads: int = 2
     """Key/value heads (divides n_heads)."""
-    ffn_dim: int = 128
+    ffn_dim: int = 256
     """MLP hidden size (>= 8)."""
     max_seq_len: int = 256
     """Context length of the checkpoint (16..131072)."""
