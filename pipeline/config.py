@@ -55,6 +55,8 @@ class TinyModelConfig:
         _check(1 <= self.n_layers <= 64, "model.tiny.n_layers", self.n_layers, "1..64")
         _check(self.n_heads >= 1 and self.dim % self.n_heads == 0, "model.tiny.n_heads", self.n_heads,
                f">= 1 and dividing dim={self.dim}")
+        _check((self.dim // self.n_heads) % 16 == 0, "model.tiny.n_heads", self.n_heads,
+               f"a value making the head size dim/n_heads a multiple of 16 (attention kernels), dim={self.dim}")
         _check(self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0, "model.tiny.n_kv_heads",
                self.n_kv_heads, f">= 1 and dividing n_heads={self.n_heads}")
         _check(self.ffn_dim >= 8, "model.tiny.ffn_dim", self.ffn_dim, ">= 8")

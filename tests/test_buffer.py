@@ -1,0 +1,269 @@
+"""ReplayBufferCore: grouping, advantages, batch layout, rejection, staleness, admission, deferral.
+
+    .venv/bin/python -m pytest -q tests/test_buffer.py
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.buffer import ReplayBufferCore, RolloutRejected, group_advantages
+from pipeline.config import BufferConfig
+from pipeline.types import PromptItem, Rollout
+
+PAD = 99
+
+
+def cfg(**kw) -> BufferConfig:
+    base = dict(group_size=2, batch_groups=2, max_staleness=1, overcommit="none")
+    return BufferConfig(**{**base, **kw})
+
+
+def rollout(gid: int, idx: int, *, reward: float = 0.0, versions=(0, 0), n: int | None = None,
+            prompt=(5, 6), **kw) -> Rollout:
+    n = len(versions) if n is None else n
+    base = dict(group_id=gid, sample_idx=idx, prompt="p", prompt_tokens=tuple(prompt), completion="c",
+                completion_tokens=tuple(range(10, 10 + n)), logprobs=tuple(-0.5 - k for k in range(n)),
+                versions=tuple(versions), finish_reason="stop", reward=reward)
+    return Rollout(**{**base, **kw})
+
+
+def admit(buf: ReplayBufferCore, n: int = 1) -> list[int]:
+    return [buf.admit(PromptItem(uid=buf.admitted_groups, prompt="p")).group_id for _ in range(n)]
+
+
+def fill(buf: ReplayBufferCore, gid: int, rewards=None, versions=(0, 0)) -> None:
+    rewards = rewards or [float(i) for i in range(buf.cfg.group_size)]
+    for i, r in enumerate(rewards):
+        buf.add(rollout(gid, i, reward=r, versions=versions))
+
+
+def test_group_advantages_mean_and_std():
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], False) == [0.5, -0.5, -0.5, 0.5]
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0], True)
+    std = math.sqrt(4 * 0.25 / 3)
+    assert adv == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std], rel=1e-5)
+
+
+def test_batch_layout_right_padded_with_masks_versions_and_advantages():
+    buf = ReplayBufferCore(cfg(normalize_std=False), pad_id=PAD)
+    g0, g1 = admit(buf, 2)
+    buf.add(rollout(g0, 1, reward=1.0, versions=(0,), prompt=(1, 2, 3)))
+    buf.add(rollout(g0, 0, reward=0.0, versions=(0, 0, 0)))
+    fill(buf, g1, [2.0, 4.0])
+    b = buf.take_batch()
+    assert b.input_ids.shape == (4, 5) and b.group_ids == (g0, g0, g1, g1)
+    assert b.input_ids[0].tolist() == [5, 6, 10, 11, 12]
+    assert b.input_ids[1].tolist() == [1, 2, 3, 10, PAD]  # sample_idx order, right-padded
+    assert b.loss_mask[1].tolist() == [0, 0, 0, 1, 0]
+    assert b.behaviour_logprobs[0].tolist() == [0, 0, -0.5, -1.5, -2.5]
+    assert b.versions[1].tolist() == [-1, -1, -1, 0, -1]
+    assert b.advantages.tolist() == [-0.5, 0.5, -1.0, 1.0]
+    assert b.rewards.tolist() == [0.0, 1.0, 2.0, 4.0]
+    assert b.trainer_version == 0 and b.num_tokens == 3 + 1 + 2 + 2
+
+
+def test_zero_signal_group_is_counted_and_kept_or_dropped():
+    keep = ReplayBufferCore(cfg(zero_signal="keep"), PAD)
+    drop = ReplayBufferCore(cfg(zero_signal="drop"), PAD)
+    for buf in (keep, drop):
+        (g,) = admit(buf)
+        fill(buf, g, [1.0, 1.0])
+        assert buf.zero_signal_groups == 1
+        buf.check_accounting()
+    assert keep.stats()["complete_groups"] == 1 and keep._complete[0].advantages == [0.0, 0.0]
+    assert drop.stats()["complete_groups"] == 0 and drop.dropped_groups == {"zero_signal": 1}
+    with pytest.raises(ValueError, match="group_size=1"):
+        ReplayBufferCore(cfg(zero_signal="drop", group_size=1), PAD)
+
+
+def _snapshot(buf: ReplayBufferCore) -> tuple:
+    s = buf.stats()
+    s.pop("rejected")
+    return s, {k: dict(g.samples) for k, g in buf._in_flight.items()}
+
+
+@pytest.mark.parametrize("reason,bad", [
+    ("length_mismatch", rollout(0, 0, logprobs=(-1.0,))),
+    ("length_mismatch", rollout(0, 0, versions=(0, 0, 0), n=2)),
+    ("nan_reward", rollout(0, 0, reward=float("nan"))),
+    ("invalid", rollout(0, 0, prompt=())),
+    ("unknown_group", rollout(7, 0)),
+    ("future_version", rollout(0, 0, versions=(0, 1))),
+    ("bad_sample_idx", rollout(0, 2)),
+    ("duplicate_sample", rollout(0, 1)),
+])
+def test_bad_rollout_is_rejected_counted_and_leaves_state_unchanged(reason, bad):
+    buf = ReplayBufferCore(cfg(), PAD)
+    admit(buf, 2)
+    buf.add(rollout(0, 1, reward=1.0))
+    before = _snapshot(buf)
+    with pytest.raises(RolloutRejected, match=reason) as e:
+        buf.add(bad)
+    assert isinstance(e.value, ValueError) and e.value.reason == reason
+    assert buf.rejected == {reason: 1}
+    assert _snapshot(buf) == before
+
+
+def test_stale_group_dropped_whole_and_late_samples_ignored():
+    buf = ReplayBufferCore(cfg(max_staleness=1, batch_groups=1), PAD)
+    (g,) = admit(buf)
+    buf.add(rollout(g, 0, versions=(0, 0)))
+    buf.set_trainer_version(1)
+    assert buf.held_groups == 1  # staleness 1 is allowed
+    buf.set_trainer_version(2)
+    assert buf.held_groups == 0 and buf.dropped_groups == {"stale": 1}
+    buf.add(rollout(g, 1, versions=(2, 2)))  # the generator finishing its work is not an error
+    assert buf.late_rollouts == 1
+    with pytest.raises(RolloutRejected, match="unknown_group"):
+        buf.add(rollout(g, 1, versions=(2, 2)))  # but a second copy is
+    assert buf.can_admit()  # the dropped group's slot came back
+    buf.check_accounting()
+
+
+def test_sample_arriving_stale_drops_its_group():
+    buf = ReplayBufferCore(cfg(max_staleness=0, batch_groups=1), PAD)
+    fill(buf, admit(buf)[0])
+    buf.take_batch()
+    buf.set_trainer_version(1)
+    (g,) = admit(buf)
+    buf.add(rollout(g, 0, versions=(0, 1)))  # a lagging generator: one token from version 0
+    assert buf.dropped_groups == {"stale": 1} and buf.held_groups == 0
+
+
+def test_overcommit_hands_first_B_completed_and_defers_the_rest():
+    buf = ReplayBufferCore(cfg(batch_groups=2, overcommit="fixed", delta=2, max_staleness=3), PAD)
+    gids = admit(buf, 4)
+    assert not buf.can_admit()  # B + Δ in flight
+    fill(buf, gids[3])
+    buf.add(rollout(gids[0], 0, reward=1.0))  # gids[0] started first but is not done
+    fill(buf, gids[1])
+    b = buf.take_batch()
+    assert b.group_ids == (gids[3], gids[3], gids[1], gids[1])  # FIFO by completion
+    assert buf.held_groups == 2 and buf.deferred_groups == 2 and buf.dropped_groups == {}
+    buf.add(rollout(gids[0], 1))  # the deferred group still completes next step
+    assert buf.stats()["complete_groups"] == 1
+    buf.check_accounting()
+
+
+def test_admission_bound_areal_and_release_refunds():
+    buf = ReplayBufferCore(cfg(batch_groups=2, max_staleness=1, overcommit="fixed", delta=8), PAD)
+    admit(buf, 4)  # (η + v + 1)·B = 4 at v=0, although B + Δ = 10
+    assert not buf.can_admit()
+    with pytest.raises(RuntimeError, match="cannot admit"):
+        buf.admit(PromptItem(uid=9, prompt="p"))
+    assert buf.release(0) is True and buf.dropped_groups == {"failed": 1}
+    assert buf.release(0) is False
+    with pytest.raises(ValueError, match="never admitted"):
+        buf.release(42)
+    assert buf.can_admit()
+    buf.set_trainer_version(3)
+    with pytest.raises(ValueError, match="went back"):
+        buf.set_trainer_version(2)
+
+
+def test_state_dict_round_trip_counts_held_groups_as_restored():
+    buf = ReplayBufferCore(cfg(batch_groups=1, max_staleness=2), PAD)
+    fill(buf, admit(buf)[0])
+    buf.take_batch()
+    buf.set_trainer_version(1)
+    admit(buf)
+    buf.end_step(0.5)
+    new = ReplayBufferCore(cfg(batch_groups=1, max_staleness=2), PAD)
+    new.load_state_dict(buf.state_dict())
+    assert new.version == 1 and new.trained_groups == 1 and new.dropped_groups == {"restored": 1}
+    new.check_accounting()
+    new.add(rollout(1, 0, versions=(1, 1)))  # a straggler of the old run is ignored
+    assert new.late_rollouts == 1
+    assert new.admit(PromptItem(uid=5, prompt="p")).group_id == 2
+
+
+# ---- property test: random arrival orders, versions, updates and failures ---------------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(G=st.integers(1, 3), B=st.integers(1, 3), eta=st.integers(0, 2), mode=st.sampled_from(["none", "fixed", "adaptive"]),
+       delta=st.integers(0, 3), seed=st.integers(0, 2**31), steps=st.integers(20, 150))
+def test_random_runs_keep_every_invariant(G, B, eta, mode, delta, seed, steps):
+    c = BufferConfig(group_size=G, batch_groups=B, max_staleness=eta, overcommit=mode, delta=delta,
+                     delta_min=0, delta_max=3, window=2, zero_signal="keep" if G == 1 else "drop")
+    buf, rng = ReplayBufferCore(c, PAD), random.Random(seed)
+    gen_version = 0  # generators lag the trainer by a random amount
+    pending: list[tuple[int, int]] = []  # (group, sample) slots handed out and not yet sent
+    trained: set[tuple[int, int]] = set()
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.3 and buf.can_admit():
+            g = admit(buf)[0]
+            pending += [(g, i) for i in range(G)]
+        elif op < 0.7 and pending:
+            g, i = pending.pop(rng.randrange(len(pending)))
+            v0 = rng.randint(gen_version, buf.version)
+            buf.add(rollout(g, i, reward=float(rng.randint(0, 2)), versions=(v0, rng.randint(v0, buf.version))))
+        elif op < 0.75 and pending:  # a generator gives up on a group and sends nothing more of it
+            failed = pending[rng.randrange(len(pending))][0]
+            buf.release(failed)
+            pending = [p for p in pending if p[0] != failed]
+        elif op < 0.8:
+            with pytest.raises(RolloutRejected):
+                buf.add(rollout(10**6, 0))
+        elif op < 0.9:
+            gen_version = rng.randint(gen_version, buf.version)
+        elif buf.ready():
+            b = buf.take_batch()
+            assert b.num_samples == B * G and len(set(b.group_ids)) == B
+            assert int(b.staleness().max()) <= eta
+            keys = {(g, k % G) for k, g in enumerate(b.group_ids)}
+            assert not keys & trained
+            trained |= keys
+            buf.end_step(float(b.rewards.mean()))
+            buf.set_trainer_version(buf.version + 1)
+        buf.check_accounting()
+        assert buf.trained_groups + buf.held_groups <= (eta + buf.version + 1) * B
+        assert buf.held_groups <= B + buf.delta_ctl.bound
+        assert 0 <= buf.delta_ctl.delta <= 3
+    assert len(trained) == buf.trained_groups * G
+
+
+# ---- liveness: on-policy training with a generator that is slow to pick up new weights -----------
+@pytest.mark.parametrize("mode", ["none", "fixed", "adaptive"])
+def test_max_staleness_zero_never_deadlocks(mode):
+    """η = 0, one slow generator that loads each new version 7 ticks late: 50 steps complete.
+
+    Everything the generator makes while it lags is stale and dropped; the run lives only because
+    those slots are re-admitted (a buffer that evicts them without refunding waits forever)."""
+    B, G, steps = 2, 2, 50
+    buf = ReplayBufferCore(BufferConfig(group_size=G, batch_groups=B, max_staleness=0, overcommit=mode,
+                                        delta=2, delta_min=0, delta_max=4, window=2), PAD)
+    gen_version, load_at, work = 0, None, []  # work: [group, sample, version at start, ticks left]
+    train_until, batches, rng = None, 0, random.Random(0)
+    for tick in range(20_000):
+        if load_at is not None and tick >= load_at:  # the generator finally serves the new weights
+            gen_version, load_at = buf.version, None
+        if not work and buf.can_admit():
+            g = buf.admit(PromptItem(uid=tick, prompt="p")).group_id
+            work = [[g, i, None, 2] for i in range(G)]
+        if work:  # slow generator: one sample at a time, two ticks each
+            w = work[0]
+            w[2] = gen_version if w[2] is None else w[2]
+            w[3] -= 1
+            if w[3] == 0:
+                buf.add(rollout(w[0], w[1], reward=float(rng.random() < 0.5), versions=(w[2], gen_version)))
+                work.pop(0)
+        if train_until is not None and tick >= train_until:  # optimizer step done: v -> v+1
+            buf.set_trainer_version(buf.version + 1)
+            load_at, train_until = tick + 7, None
+        if train_until is None and buf.ready():
+            b = buf.take_batch()
+            assert int(b.staleness().max()) == 0 and len(set(b.group_ids)) == B
+            buf.end_step(float(b.rewards.mean()))
+            batches, train_until = batches + 1, tick + 3
+            if batches == steps:
+                break
+        buf.check_accounting()
+    assert batches == steps, f"stalled after {batches} steps: {buf.stats()}"
+    assert buf.dropped_groups["stale"] > 0  # the lag really produced stale work

@@ -1,0 +1,59 @@
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import Config, ConfigError, load_config
+
+from .conftest import REPO
+
+
+def test_tiny_yaml_is_the_embedded_default_and_loads():
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    assert isinstance(cfg, Config)
+    assert cfg.model.hf_dir == "" and cfg.trainer.device == "cpu" and cfg.generator.engine == "vllm-cpu"
+
+
+def test_cli_override_wins_over_yaml():
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["buffer.max_staleness=0", "trainer.lr=0.01"])
+    assert cfg.buffer.max_staleness == 0 and cfg.trainer.lr == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(
+    "override, must_name",
+    [
+        ("buffer.nope=1", "buffer.nope"),
+        ("trainer.lr=fast", "trainer.lr"),
+        ("buffer.batch_groups=-3", "buffer.batch_groups"),
+        ("trainer.correction=magic", "trainer.correction"),
+        ("weight_sync.transport=pigeon", "weight_sync.transport"),
+        ("trainer.backend=nccl", "trainer.backend"),
+    ],
+)
+def test_bad_config_names_the_key(override, must_name):
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs" / "tiny.yaml", [override])
+    assert must_name in str(e.value)
+
+
+def test_choice_errors_list_allowed_values():
+    with pytest.raises(ConfigError, match="'keep', 'abort', 'drain'"):
+        load_config(None, ["generator.on_update=sometimes"])
+
+
+def test_missing_yaml_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, must_name",
+    [("buffer.nope=1", "buffer.nope"), ("trainer.lr=fast", "trainer.lr"), ("buffer.batch_groups=-1", "buffer.batch_groups")],
+)
+def test_run_entry_point_exits_nonzero_on_bad_config(override, must_name):
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", override],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert must_name in p.stderr

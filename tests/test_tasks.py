@@ -1,0 +1,74 @@
+import itertools
+import textwrap
+
+import pytest
+
+from pipeline.tasks import PromptStream, TaskError, load_task, take
+
+
+@pytest.mark.parametrize("name", ["pipeline.tasks.reverse", "pipeline.tasks.arith"])
+def test_builtin_task_demonstrations_score_one_and_junk_scores_less(name):
+    task = load_task(name)
+    for item in take(task, seed=3, split="train", n=20):
+        assert task.reward(item.prompt, task.demonstration(item)) == 1.0
+        assert task.reward(item.prompt, "") == 0.0
+
+
+def test_reverse_gives_partial_credit():
+    task = load_task("pipeline.tasks.reverse")
+    assert task.reward("rev abcd=", "dcba") == 1.0
+    assert task.reward("rev abcd=", "dcbx") == pytest.approx(0.75)
+    assert task.reward("rev abcd=", "dcbaaaaa") == pytest.approx(0.5)
+
+
+def test_arith_gives_partial_credit():
+    task = load_task("pipeline.tasks.arith")
+    assert task.reward("12+7=", "19") == 1.0
+    assert 0 < task.reward("12+7=", "29") < 1
+    assert task.reward("12+7=", "x") == 0.0
+
+
+def test_train_and_eval_prompt_streams_differ():
+    task = load_task("pipeline.tasks.reverse")
+    train = {i.prompt for i in take(task, 0, "train", 50)}
+    evals = [i.prompt for i in take(task, 0, "eval", 50)]
+    assert len(train.intersection(evals)) < 25
+
+
+def test_task_plugin_loads_from_outside_the_package(tmp_path, monkeypatch):
+    (tmp_path / "my_user_task.py").write_text(textwrap.dedent('''
+        from pipeline.types import PromptItem
+        def prompts(seed, split):
+            i = 0
+            while True:
+                yield PromptItem(uid=i, prompt=f"say {i}=", answer=str(i)); i += 1
+        def reward(prompt, completion):
+            return float(completion.strip() == prompt[4:-1])
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = load_task("my_user_task")
+    assert task.reward("say 7=", "7") == 1.0 and task.reward("say 7=", "8") == 0.0
+    assert [i.prompt for i in take(task, 0, "train", 2)] == ["say 0=", "say 1="]
+    assert task.demonstration is None
+
+
+@pytest.mark.parametrize("path, msg", [
+    ("no_such_pkg_xyz.task", "no module"),
+    ("pipeline.tasks.nothing_here", "no attribute"),
+    ("pipeline.types", "missing callable"),
+])
+def test_bad_task_path_is_a_clear_error(path, msg):
+    with pytest.raises(TaskError, match=msg):
+        load_task(path)
+
+
+def test_prompt_stream_position_is_checkpointable():
+    task = load_task("pipeline.tasks.arith")
+    s = PromptStream(task, seed=5)
+    first = [next(s) for _ in range(7)]
+    state = s.state_dict()
+    expected = [next(s) for _ in range(5)]
+    s2 = PromptStream(task, seed=5)
+    s2.load_state_dict(state)
+    assert [next(s2) for _ in range(5)] == expected
+    assert first[0].uid == 0 and expected[0].uid == 7
