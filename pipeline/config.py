@@ -110,6 +110,12 @@ class GeneratorConfig:
     """Seconds an engine may take to start before the run fails."""
     request_timeout_s: float = 300.0
     """Seconds one generation request may take before it fails."""
+    logprobs_mode: str = "processed"
+    """Behaviour logprobs: processed (after temperature / top-p, the distribution actually sampled) | raw (model logits)."""
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens, ignoring EOS (fixed-length workloads for benchmarks and tests)."""
+    admit_wait_s: float = 0.5
+    """Longest a generator waits in one admit() call when the buffer is closed before retrying (0 < s <= 60)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_generators <= 64, "generator.num_generators", self.num_generators, "1..64")
@@ -127,6 +133,11 @@ class GeneratorConfig:
         _check(16 <= self.max_model_len <= 131072, "generator.max_model_len", self.max_model_len, "16..131072")
         _check(self.start_timeout_s > 0, "generator.start_timeout_s", self.start_timeout_s, "> 0")
         _check(self.request_timeout_s > 0, "generator.request_timeout_s", self.request_timeout_s, "> 0")
+        _choice("generator.logprobs_mode", self.logprobs_mode, ("processed", "raw"))
+        _check(0 < self.admit_wait_s <= 60, "generator.admit_wait_s", self.admit_wait_s, "0 < s <= 60")
+        # A partial saved at a stage end resumes under newer weights, so drain's one-version promise breaks.
+        _check(not (self.on_update == "drain" and self.carry_over == "save"), "generator.carry_over",
+               self.carry_over, "'keep' when generator.on_update='drain'")
 
 
 @dataclass
@@ -206,6 +217,10 @@ class TrainerConfig:
     """KL estimator: k1 | k3."""
     micro_batch_size: int = 0
     """Samples per forward/backward (0: the whole batch at once)."""
+    init_timeout_s: float = 300.0
+    """Seconds the trainer ranks may take to rendezvous and build the model before start fails."""
+    step_timeout_s: float = 600.0
+    """Seconds one trainer call (step, save, load, export, push) may take before it fails."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_ranks <= 4096, "trainer.num_ranks", self.num_ranks, "1..4096")
@@ -229,6 +244,8 @@ class TrainerConfig:
         _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
         _choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
+        _check(self.init_timeout_s > 0, "trainer.init_timeout_s", self.init_timeout_s, "> 0")
+        _check(self.step_timeout_s > 0, "trainer.step_timeout_s", self.step_timeout_s, "> 0")
 
 
 @dataclass
