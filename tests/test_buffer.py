@@ -9,7 +9,6 @@ import math
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -195,10 +194,12 @@ def test_random_runs_keep_every_invariant(G, B, eta, mode, delta, seed, steps):
     gen_version = 0  # generators lag the trainer by a random amount
     pending: list[tuple[int, int]] = []  # (group, sample) slots handed out and not yet sent
     trained: set[tuple[int, int]] = set()
+    admitted: set[int] = set()
     for _ in range(steps):
         op = rng.random()
         if op < 0.3 and buf.can_admit():
             g = admit(buf)[0]
+            admitted.add(g)
             pending += [(g, i) for i in range(G)]
         elif op < 0.7 and pending:
             g, i = pending.pop(rng.randrange(len(pending)))
@@ -226,7 +227,10 @@ def test_random_runs_keep_every_invariant(G, B, eta, mode, delta, seed, steps):
         assert buf.trained_groups + buf.held_groups <= (eta + buf.version + 1) * B
         assert buf.held_groups <= B + buf.delta_ctl.bound
         assert 0 <= buf.delta_ctl.delta <= 3
-    assert len(trained) == buf.trained_groups * G
+    # every admitted group is in exactly one place: trained, held, or dropped (and counted so)
+    trained_groups, held = {g for g, _ in trained}, {*buf._in_flight, *buf._complete}
+    assert len(trained) == buf.trained_groups * G and not trained_groups & held
+    assert len(admitted - trained_groups - held) == sum(buf.dropped_groups.values())
 
 
 # ---- liveness: on-policy training with a generator that is slow to pick up new weights -----------

@@ -1,0 +1,115 @@
+"""ReplayBufferActor: the Monarch face of pipeline.buffer.ReplayBufferCore plus the prompt source.
+
+Protocol (generators pull work and push samples; the trainer pulls batches):
+
+    group = await buf.admit.call_one()               # PromptGroup, or None while admission is closed
+    await buf.add.call_one(rollout)                  # raises (ActorError) on a bad rollout
+    await buf.release.call_one(group_id)             # a generator gave up on a group
+    batch = await buf.get_batch.call_one(v, 60.0)    # waits for B complete groups at version v
+    await buf.end_step.call_one(mean_reward)         # -> Δ for the next step
+    await buf.set_version.call_one(v)                # before generators serve weights v
+    stats = await buf.stats.call_one()
+
+`get_batch` and `admit(wait_s > 0)` are concurrent endpoints that wait on one asyncio.Condition,
+so `add` and `set_version` keep being served while they wait; every state change notifies it.
+The prompt is drawn from the stream only once admission is granted, so the stream position in
+state_dict() is exactly the prompts handed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from monarch.actor import Actor, concurrent_endpoint, endpoint
+
+from pipeline.buffer import ReplayBufferCore
+from pipeline.config import Config
+from pipeline.tasks import PromptStream, load_task
+from pipeline.types import Batch, PromptGroup, Rollout
+
+__all__ = ["ReplayBufferActor"]
+
+
+class ReplayBufferActor(Actor):
+    def __init__(self, cfg: Config, pad_id: int):
+        self.cfg = cfg
+        self.core = ReplayBufferCore(cfg.buffer, pad_id)
+        self.prompts = PromptStream(load_task(cfg.task.name), cfg.task.seed)
+        self.changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    @concurrent_endpoint
+    async def admit(self, wait_s: float = 0.0) -> PromptGroup | None:
+        """Next prompt group to generate, or None if admission stays closed for `wait_s` seconds."""
+        if not self.core.can_admit() and wait_s > 0:
+            async with self.changed:
+                try:
+                    await asyncio.wait_for(self.changed.wait_for(self.core.can_admit), wait_s)
+                except asyncio.TimeoutError:
+                    return None
+        if not self.core.can_admit():
+            return None
+        return self.core.admit(next(self.prompts))
+
+    @endpoint
+    async def add(self, rollout: Rollout) -> None:
+        self.core.add(rollout)
+        await self._notify()
+
+    @endpoint
+    async def release(self, group_id: int) -> bool:
+        released = self.core.release(group_id)
+        await self._notify()
+        return released
+
+    @endpoint
+    async def set_version(self, version: int) -> None:
+        self.core.set_trainer_version(version)
+        await self._notify()
+
+    @concurrent_endpoint
+    async def get_batch(self, trainer_version: int, timeout_s: float | None = None) -> Batch:
+        """The next B groups for `trainer_version`; TimeoutError after `timeout_s`
+        (default buffer.batch_timeout_s) naming how far the buffer got."""
+        timeout_s = self.cfg.buffer.batch_timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        async with self.changed:
+            self.core.set_trainer_version(trainer_version)
+            self.changed.notify_all()  # the version bump may have freed admission slots
+            try:
+                await asyncio.wait_for(self.changed.wait_for(self.core.ready), timeout_s)
+            except asyncio.TimeoutError:
+                s = self.core.stats()
+                raise TimeoutError(
+                    f"replay buffer: no batch for version {trainer_version} after {timeout_s:.1f}s: "
+                    f"{s['complete_groups']} of {self.cfg.buffer.batch_groups} groups ready, "
+                    f"{s['in_flight_groups']} in flight, admission limit {s['admission_limit']}, "
+                    f"dropped {s['dropped_groups']}") from None
+            batch = self.core.take_batch()
+            self.core.record_wait(time.monotonic() - t0)
+            self.changed.notify_all()  # taking B groups opens admission
+        return batch
+
+    @endpoint
+    async def end_step(self, mean_reward: float) -> int:
+        delta = self.core.end_step(mean_reward)
+        await self._notify()
+        return delta
+
+    @endpoint
+    async def stats(self) -> dict:
+        return self.core.stats()
+
+    @endpoint
+    async def state_dict(self) -> dict:
+        return {"prompts": self.prompts.state_dict(), "buffer": self.core.state_dict()}
+
+    @endpoint
+    async def load_state_dict(self, state: dict) -> None:
+        self.core.load_state_dict(state["buffer"])
+        self.prompts.load_state_dict(state["prompts"])
+        await self._notify()

@@ -1,0 +1,324 @@
+"""ReplayBufferCore: admission, GRPO grouping, version rejection and OPPO deferral (no Monarch).
+
+Life of a prompt group (G = group_size, B = batch_groups, η = max_staleness, v = trainer version):
+
+    admit(item) -> PromptGroup     in flight: the generators sample it G times
+    add(rollout) x G               complete: advantages computed, queued FIFO by completion
+    take_batch() -> Batch          trained: the first B complete groups, padded per pipeline.types
+    end_step(mean_reward)          Δ for the next step (pipeline.overcommit.DeltaController)
+
+Groups are trained or dropped whole: the GRPO baseline is the group mean, so a group missing a
+sample would have a biased baseline, and a batch always holds exactly B·G samples. Drop reasons:
+"stale" (some sample is older than η), "zero_signal" (equal rewards and zero_signal=drop),
+"failed" (release() by a generator), "restored" (held when a checkpoint was loaded).
+
+Accounting: each admitted group brings G sample slots and check_accounting() verifies
+
+    admitted_samples == trained_samples + sum(dropped_samples by reason) + held_samples
+
+where held groups are in flight or complete-but-untrained (G slots each). Bad rollouts are
+rejected (RolloutRejected, counted by reason) and change nothing else.
+
+Admission: can_admit() holds iff, after one more group,
+
+    trained_groups + held_groups <= (η + v + 1) · B      the AReaL staleness bound
+    held_groups <= B + Δ                                 OPPO over-commitment
+
+Dropped groups give their slot back. That keeps η = 0 live: once the trainer is at v+1, samples a
+lagging generator still makes at v are stale and dropped, and their slots are re-admitted until it
+serves v+1; a buffer that counted drops against the bound (or evicted them without refunding)
+would wait forever. Between take_batch at v and set_trainer_version(v+1) the bound allows at most
+η·B held groups, so with η = 0 nothing is admitted in that gap, where only weights the next step
+rejects could generate it. In steady state the bound caps useful over-commitment at Δ <= η·B.
+
+Staleness = v − min(token versions); a sample without completion tokens is fresh. It is checked
+when the version changes and when a sample arrives. It never decreases, so dropping a group as soon
+as it exceeds η gives the same result as dropping it at batch time, and frees its slot sooner.
+Samples still arriving for a group dropped in flight are ignored and counted as `late_rollouts`.
+
+Contract with the controller: one batch per trainer version (the bound weighs trained groups
+against v·B), and set_trainer_version(v+1) before any generator serves weights v+1; a token
+version above the buffer's version is rejected as from the future.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.config import BufferConfig
+from pipeline.overcommit import DeltaController
+from pipeline.types import Batch, PromptGroup, PromptItem, Rollout
+
+__all__ = ["ReplayBufferCore", "RolloutRejected", "group_advantages"]
+
+_STD_EPS = 1e-6
+
+
+class RolloutRejected(ValueError):
+    """A rollout the buffer refused; `reason` is the counter it was booked under."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"rollout rejected ({reason}): {detail}")
+        self.reason, self.detail = reason, detail
+
+    def __reduce__(self):  # crosses actor boundaries; the default pickles only the message
+        return type(self), (self.reason, self.detail)
+
+
+def group_advantages(rewards: list[float], normalize_std: bool) -> list[float]:
+    """GRPO: reward minus the group mean, optionally over the (unbiased) group std."""
+    mean = sum(rewards) / len(rewards)
+    adv = [r - mean for r in rewards]
+    if normalize_std and len(rewards) > 1:
+        std = math.sqrt(sum(a * a for a in adv) / (len(rewards) - 1))
+        adv = [a / (std + _STD_EPS) for a in adv]
+    return adv
+
+
+@dataclass
+class _Group:
+    group: PromptGroup
+    samples: dict[int, Rollout] = field(default_factory=dict)
+    advantages: list[float] = field(default_factory=list)
+
+
+def _staleness(r: Rollout, version: int) -> int:
+    return version - min(r.versions) if r.versions else 0
+
+
+class ReplayBufferCore:
+    def __init__(self, cfg: BufferConfig, pad_id: int):
+        if cfg.zero_signal == "drop" and cfg.group_size == 1:
+            raise ValueError("buffer: zero_signal='drop' with group_size=1 drops every group "
+                             "(one sample never has a reward spread); use zero_signal='keep'")
+        self.cfg, self.pad_id = cfg, pad_id
+        self.delta_ctl = DeltaController(cfg)
+        self.version = 0
+        self._next_id = 0
+        self._in_flight: dict[int, _Group] = {}
+        self._complete: dict[int, _Group] = {}  # insertion order is completion order (FIFO)
+        self._late: dict[int, set[int]] = {}  # dropped in flight: sample indices still expected
+        self.admitted_groups = self.trained_groups = self.batches = 0
+        self.dropped_groups: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.late_rollouts = self.zero_signal_groups = self.deferred_groups = 0
+        self.staleness_hist: Counter[int] = Counter()
+        self.wait_s_total = self.wait_s_last = 0.0
+
+    # ---- admission ---------------------------------------------------------------------------
+    @property
+    def held_groups(self) -> int:
+        return len(self._in_flight) + len(self._complete)
+
+    def admission_limit(self) -> int:
+        """Most groups that may be held right now (the smaller of the two admission bounds)."""
+        c = self.cfg
+        stale_cap = (c.max_staleness + self.version + 1) * c.batch_groups - self.trained_groups
+        return min(stale_cap, c.batch_groups + self.delta_ctl.delta)
+
+    def can_admit(self) -> bool:
+        return self.held_groups + 1 <= self.admission_limit()
+
+    def admit(self, item: PromptItem) -> PromptGroup:
+        if not self.can_admit():
+            raise RuntimeError(f"buffer: cannot admit, {self.held_groups} groups held and the limit is "
+                               f"{self.admission_limit()} at version {self.version}; check can_admit()")
+        g = PromptGroup(group_id=self._next_id, item=item, group_size=self.cfg.group_size,
+                        admitted_version=self.version)
+        self._next_id += 1
+        self.admitted_groups += 1
+        self._in_flight[g.group_id] = _Group(g)
+        return g
+
+    def release(self, group_id: int) -> bool:
+        """A generator gave up on a group: drop it as "failed". False if it already left flight."""
+        if group_id in self._in_flight:
+            self._drop(self._in_flight[group_id], "failed")
+            return True
+        if not 0 <= group_id < self._next_id:
+            raise ValueError(f"buffer: release of group {group_id}, which was never admitted")
+        self._late.pop(group_id, None)  # nothing more will come for it
+        return False
+
+    # ---- rollouts ----------------------------------------------------------------------------
+    def add(self, rollout: Rollout) -> None:
+        """Store one sample; raises RolloutRejected (a ValueError) and changes nothing if it is bad."""
+        problem = self._problem(rollout)
+        if problem is not None:
+            self.rejected[problem[0]] += 1
+            raise RolloutRejected(*problem)
+        gid, idx = rollout.group_id, rollout.sample_idx
+        if gid in self._late:
+            self.late_rollouts += 1
+            self._late[gid].discard(idx)
+            if not self._late[gid]:
+                del self._late[gid]
+            return
+        g = self._in_flight[gid]
+        g.samples[idx] = rollout
+        if _staleness(rollout, self.version) > self.cfg.max_staleness:
+            self._drop(g, "stale")
+        elif len(g.samples) == self.cfg.group_size:
+            self._finish(g)
+
+    def _problem(self, r: Rollout) -> tuple[str, str] | None:
+        where = f"group={r.group_id} sample={r.sample_idx}"
+        n = len(r.completion_tokens)
+        if len(r.logprobs) != n or len(r.versions) != n:
+            return "length_mismatch", (f"{where}: completion_tokens ({n}), logprobs ({len(r.logprobs)}) "
+                                       f"and versions ({len(r.versions)}) differ in length")
+        if not math.isfinite(r.reward):
+            return "nan_reward", f"{where}: reward is {r.reward}"
+        try:
+            r.validate()
+        except ValueError as e:
+            return "invalid", str(e)
+        if r.max_version > self.version:
+            return "future_version", (f"{where}: token version {r.max_version} is newer than the "
+                                      f"trainer version {self.version}")
+        if r.group_id in self._late and r.sample_idx in self._late[r.group_id]:
+            return None
+        g = self._in_flight.get(r.group_id)
+        if g is None:
+            state = "never admitted" if not 0 <= r.group_id < self._next_id else "no longer in flight"
+            return "unknown_group", f"{where}: group {r.group_id} is {state}"
+        if not 0 <= r.sample_idx < self.cfg.group_size:
+            return "bad_sample_idx", f"{where}: sample_idx outside 0..{self.cfg.group_size - 1}"
+        if r.sample_idx in g.samples:
+            return "duplicate_sample", f"{where}: this sample was already added"
+        return None
+
+    def _finish(self, g: _Group) -> None:
+        del self._in_flight[g.group.group_id]
+        rewards = [g.samples[i].reward for i in range(self.cfg.group_size)]
+        if max(rewards) == min(rewards):
+            self.zero_signal_groups += 1
+            if self.cfg.zero_signal == "drop":
+                self.dropped_groups["zero_signal"] += 1
+                return
+            g.advantages = [0.0] * len(rewards)
+        else:
+            g.advantages = group_advantages(rewards, self.cfg.normalize_std)
+        self._complete[g.group.group_id] = g
+
+    def _drop(self, g: _Group, reason: str) -> None:
+        gid = g.group.group_id
+        if self._in_flight.pop(gid, None) is not None:
+            missing = set(range(self.cfg.group_size)) - g.samples.keys()
+            if missing:
+                self._late[gid] = missing
+        else:
+            del self._complete[gid]
+        self.dropped_groups[reason] += 1
+
+    # ---- versions and batches ----------------------------------------------------------------
+    def set_trainer_version(self, version: int) -> None:
+        if version < self.version:
+            raise ValueError(f"buffer: trainer version went back from {self.version} to {version}")
+        self.version = version
+        for g in [*self._in_flight.values(), *self._complete.values()]:
+            if any(_staleness(r, version) > self.cfg.max_staleness for r in g.samples.values()):
+                self._drop(g, "stale")
+
+    def ready(self) -> bool:
+        """B complete groups are held; all held samples are within max_staleness (see above)."""
+        return len(self._complete) >= self.cfg.batch_groups
+
+    def take_batch(self) -> Batch:
+        """The first B groups to complete, as one right-padded Batch for the current version."""
+        B, G = self.cfg.batch_groups, self.cfg.group_size
+        if not self.ready():
+            raise RuntimeError(f"buffer: take_batch with {len(self._complete)} of {B} groups complete "
+                               f"({len(self._in_flight)} in flight); check ready()")
+        groups = [self._complete.pop(gid) for gid in list(self._complete)[:B]]
+        samples = [(g.samples[i], g.advantages[i], g.group.group_id) for g in groups for i in range(G)]
+        T = max(len(r.prompt_tokens) + len(r.completion_tokens) for r, _, _ in samples)
+        N = len(samples)
+        input_ids = torch.full((N, T), self.pad_id, dtype=torch.int64)
+        loss_mask = torch.zeros((N, T), dtype=torch.float32)
+        logprobs = torch.zeros((N, T), dtype=torch.float32)
+        versions = torch.full((N, T), -1, dtype=torch.int64)
+        for i, (r, _, _) in enumerate(samples):
+            p, c = len(r.prompt_tokens), len(r.completion_tokens)
+            input_ids[i, :p + c] = torch.tensor(r.prompt_tokens + r.completion_tokens, dtype=torch.int64)
+            if c:
+                loss_mask[i, p:p + c] = 1.0
+                logprobs[i, p:p + c] = torch.tensor(r.logprobs, dtype=torch.float32)
+                versions[i, p:p + c] = torch.tensor(r.versions, dtype=torch.int64)
+            self.staleness_hist[_staleness(r, self.version)] += 1
+        self.trained_groups += B
+        self.batches += 1
+        self.deferred_groups += self.held_groups  # carried over into the next step, not dropped
+        return Batch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=logprobs,
+                     versions=versions, advantages=torch.tensor([a for _, a, _ in samples], dtype=torch.float32),
+                     rewards=torch.tensor([r.reward for r, _, _ in samples], dtype=torch.float32),
+                     group_ids=tuple(gid for _, _, gid in samples), trainer_version=self.version)
+
+    def end_step(self, mean_reward: float) -> int:
+        """Feed the step's mean reward to the Δ controller; returns Δ for the next step."""
+        return self.delta_ctl.update(mean_reward)
+
+    def record_wait(self, seconds: float) -> None:
+        """Time the trainer spent waiting for the batch it just took (measured by the caller)."""
+        self.wait_s_last = seconds
+        self.wait_s_total += seconds
+
+    # ---- metrics, accounting, checkpoint -----------------------------------------------------
+    def accounting(self) -> dict[str, int]:
+        G = self.cfg.group_size
+        return {"admitted_samples": self.admitted_groups * G, "trained_samples": self.trained_groups * G,
+                "dropped_samples": sum(self.dropped_groups.values()) * G, "held_samples": self.held_groups * G}
+
+    def check_accounting(self) -> dict[str, int]:
+        """Verify admitted = trained + dropped + held (in samples); raise RuntimeError if not."""
+        a = self.accounting()
+        if a["admitted_samples"] != a["trained_samples"] + a["dropped_samples"] + a["held_samples"]:
+            raise RuntimeError(f"buffer: accounting broken: {a}")
+        return a
+
+    def stats(self) -> dict:
+        G, cap = self.cfg.group_size, self.cfg.batch_groups + self.delta_ctl.delta
+        return {
+            **self.accounting(), "version": self.version, "batches": self.batches,
+            "in_flight_groups": len(self._in_flight), "complete_groups": len(self._complete),
+            "held_groups": self.held_groups, "admission_limit": self.admission_limit(),
+            "occupancy": self.held_groups / cap, "delta": self.delta_ctl.delta,
+            "delta_history": list(self.delta_ctl.history), "reward_slope": self.delta_ctl.last_slope,
+            "dropped_groups": dict(self.dropped_groups),
+            "dropped_samples_by_reason": {k: v * G for k, v in self.dropped_groups.items()},
+            "rejected": dict(self.rejected), "late_rollouts": self.late_rollouts,
+            "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups,
+            "staleness_hist": dict(sorted(self.staleness_hist.items())),
+            "trainer_wait_s_total": self.wait_s_total, "trainer_wait_s_last": self.wait_s_last,
+        }
+
+    def state_dict(self) -> dict:
+        """Counters, version and Δ. Held groups are not saved: their generators do not survive a
+        restart, so on load they count as dropped ("restored") and any stragglers as late."""
+        return {"version": self.version, "next_id": self._next_id, "admitted_groups": self.admitted_groups,
+                "trained_groups": self.trained_groups, "batches": self.batches,
+                "dropped_groups": dict(self.dropped_groups), "rejected": dict(self.rejected),
+                "late_rollouts": self.late_rollouts, "zero_signal_groups": self.zero_signal_groups,
+                "deferred_groups": self.deferred_groups, "staleness_hist": dict(self.staleness_hist),
+                "wait_s_total": self.wait_s_total, "held_ids": sorted([*self._in_flight, *self._complete]),
+                "delta": self.delta_ctl.state_dict()}
+
+    def load_state_dict(self, s: dict) -> None:
+        if self.held_groups or self.admitted_groups:
+            raise RuntimeError("buffer: load_state_dict needs a fresh buffer (nothing admitted yet)")
+        self.version, self._next_id = s["version"], s["next_id"]
+        self.admitted_groups, self.trained_groups, self.batches = (
+            s["admitted_groups"], s["trained_groups"], s["batches"])
+        self.dropped_groups = Counter(s["dropped_groups"])
+        if s["held_ids"]:
+            self.dropped_groups["restored"] += len(s["held_ids"])
+        self.rejected = Counter(s["rejected"])
+        self.late_rollouts, self.zero_signal_groups = s["late_rollouts"], s["zero_signal_groups"]
+        self.deferred_groups, self.wait_s_total = s["deferred_groups"], s["wait_s_total"]
+        self.staleness_hist = Counter(s["staleness_hist"])
+        self._late = {gid: set(range(self.cfg.group_size)) for gid in s["held_ids"]}
+        self.delta_ctl.load_state_dict(s["delta"])
