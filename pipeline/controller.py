@@ -1,0 +1,365 @@
+"""Controller: spawns the generator, buffer and trainer meshes and runs the supervised loops.
+
+    pipe = Pipeline(cfg)                 # nothing starts yet
+    await pipe.start()                   # proc meshes, actors, engines, weight-sync wiring
+    metrics = await pipe.train_once()    # one batch -> one optimizer step -> version + 1
+    await pipe.push_weights()            # trainer snapshot -> every generator (rolling if set)
+    await pipe.shutdown()                # close -> cancel -> stop every proc mesh
+
+`run(cfg)` composes these into the job: generation runs inside the generator actors (CoPRIS fixed
+concurrency, pulling admitted groups from the buffer); the training loop here waits for a batch,
+trains, bumps the version and starts the weight push as a task that overlaps the next step's batch
+wait and compute. A health loop watches every actor; the first loop that fails stops the run with
+its error, and shutdown always stops every proc mesh (Ctrl-C included).
+
+Ordering contract of the weight push (async mode):
+    train_step(t) -> trainer.push_weights(v=t+1) packs a snapshot (returns before receivers read)
+    -> task: generators.update_weights(v) [one at a time when generator.rolling]
+    -> train_step(t+1) may run while that task reads the snapshot
+    -> before push_weights(v+1) the controller awaits the task of v (the snapshot slot it reads
+       must not be overwritten), so at most one push is in flight.
+In sync mode (`run.mode=sync`) the push is awaited before the next batch is requested, and the
+buffer runs with Δ=0 and max_staleness=0: generate a full batch, train, sync, repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import Config
+from pipeline.metrics import MetricsSink, NullSink, Progress, plot_summary
+from pipeline.model import EOS_ID, PAD_ID, load_tokenizer, model_dir
+from pipeline.tasks import load_task, take
+
+log = logging.getLogger(__name__)
+
+SPAWN_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 600.0
+HEALTH_PERIOD_S = 2.0
+
+
+class RunError(RuntimeError):
+    """A loop or an actor failed; the message names which and why."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def timed(what: str, aw, timeout: float = CALL_TIMEOUT_S):
+    """Await with a timeout whose error names the call."""
+    try:
+        return await asyncio.wait_for(aw, timeout)
+    except asyncio.TimeoutError:
+        raise RunError(f"{what} did not answer within {timeout:.0f}s") from None
+
+
+def sync_mode_config(cfg: Config) -> Config:
+    """The synchronous baseline: same components, no over-commitment, strictly on-policy."""
+    return dataclasses.replace(
+        cfg, buffer=dataclasses.replace(cfg.buffer, overcommit="none", max_staleness=0),
+        generator=dataclasses.replace(cfg.generator, on_update="drain"))
+
+
+class Pipeline:
+    """Handles to the running meshes and the step primitives shared by `run` and the session API."""
+
+    def __init__(self, cfg: Config, host: Any = None):
+        self.cfg = sync_mode_config(cfg) if cfg.run.mode == "sync" else cfg
+        self._host = host
+        self.version = 0
+        self._procs: list[Any] = []
+        self._push_task: asyncio.Task | None = None
+        self.task = load_task(cfg.task.name)
+        self.last_sync_s = float("nan")
+
+    # ------------------------------------------------------------------ start / stop
+
+    async def start(self) -> None:
+        from monarch.actor import this_host
+
+        from actors.generator import GeneratorActor
+        from actors.replay_buffer import ReplayBufferActor
+        from actors.trainer import TrainerActor
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.generator.kv_cache_gib))
+        host = self._host or this_host()
+        cfg = self.cfg
+        self.hf_dir = model_dir(cfg.model)
+        self.tokenizer = load_tokenizer(self.hf_dir)
+
+        t0 = time.monotonic()
+        trainer_procs = self._spawn(host, cfg.trainer.num_ranks)
+        self.trainer = trainer_procs.spawn("trainer", TrainerActor, cfg, "127.0.0.1", free_port())
+        await timed("trainer setup", self.trainer.setup.call(), cfg.generator.start_timeout_s)
+        if cfg.run.warm_start_steps:
+            await self.warm_start(cfg.run.warm_start_steps)
+
+        buffer_procs = self._spawn(host, 1)
+        self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
+        gen_cfg = cfg if not cfg.run.warm_start_steps else dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, hf_dir=str(self.warm_dir)))
+        self.generators = []
+        for i in range(cfg.generator.num_generators):
+            procs = self._spawn(host, 1)
+            self.generators.append(procs.spawn(f"generator{i}", GeneratorActor, gen_cfg, i))
+        await timed("generator setup", asyncio.gather(*[g.setup.call_one() for g in self.generators]),
+                    cfg.generator.start_timeout_s)
+        handle = await timed("weight-sync handle", self.trainer.sync_handle.call(len(self.generators)))
+        handle = _rank0(handle)
+        await timed("attach weights", asyncio.gather(*[g.attach_weights.call_one(handle) for g in self.generators]))
+        log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
+                 time.monotonic() - t0, cfg.trainer.num_ranks, len(self.generators), cfg.weight_sync.transport)
+
+    def _spawn(self, host: Any, n: int):
+        procs = host.spawn_procs(per_host={"procs": n})
+        self._procs.append(procs)
+        return procs
+
+    async def start_generation(self) -> None:
+        await timed("generation start", asyncio.gather(*[g.start_generation.call_one(self.buffer) for g in self.generators]))
+
+    async def shutdown(self) -> None:
+        """close -> cancel -> stop: ends generation, then stops every proc mesh (never raises)."""
+        if self._push_task is not None:
+            self._push_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._push_task
+        for g in getattr(self, "generators", []):
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(g.shutdown.call_one(), 60)
+        for procs in reversed(self._procs):
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(procs.stop(), 60)
+        self._procs.clear()
+
+    # ------------------------------------------------------------------ steps
+
+    async def warm_start(self, steps: int) -> dict:
+        """Supervised warm start on task demonstrations (reported as such), exported for the generators."""
+        if self.task.demonstration is None:
+            raise RunError(f"run.warm_start_steps={steps} but task {self.task.name} has no demonstration()")
+        items = iter(self.task.prompts(self.cfg.task.seed + 7919, "train"))
+        n = self.cfg.buffer.batch_groups * self.cfg.buffer.group_size
+        loss = float("nan")
+        for _ in range(steps):
+            ids, mask = self.demo_batch([next(items) for _ in range(n)])
+            loss = _rank0(await timed("sft_step", self.trainer.sft_step.call(ids, mask)))["loss"]
+        self.warm_dir = Path(self.cfg.run.out_dir) / "warm_start"
+        await timed("export warm start", self.trainer.export_hf.call(str(self.warm_dir)))
+        log.info("warm start: %d supervised steps on demonstrations, final loss %.4f", steps, loss)
+        return {"warm_start/loss": loss, "warm_start/steps": steps}
+
+    def demo_batch(self, items) -> tuple[torch.Tensor, torch.Tensor]:
+        seqs, masks = [], []
+        for it in items:
+            p = self.tokenizer(it.prompt)["input_ids"]
+            c = self.tokenizer(self.task.demonstration(it))["input_ids"] + [EOS_ID]
+            seqs.append(p + c)
+            masks.append([0.0] * len(p) + [1.0] * len(c))
+        t = max(map(len, seqs))
+        ids = torch.tensor([s + [PAD_ID] * (t - len(s)) for s in seqs])
+        mask = torch.tensor([m + [0.0] * (t - len(m)) for m in masks])
+        return ids, mask
+
+    async def train_once(self) -> dict:
+        """Wait for a batch, take one optimizer step, advance the version everywhere."""
+        t0 = time.monotonic()
+        batch = await timed("buffer.get_batch", self.buffer.get_batch.call_one(self.version, self.cfg.buffer.batch_timeout_s),
+                            self.cfg.buffer.batch_timeout_s + 30)
+        t1 = time.monotonic()
+        metrics = _rank0(await timed("trainer.train_step", self.trainer.train_step.call(batch)))
+        self.version += 1
+        stale = batch.staleness().float()
+        mean_reward = float(batch.rewards.mean())
+        await timed("buffer.set_version", self.buffer.set_version.call_one(self.version))
+        await timed("buffer.end_step", self.buffer.end_step.call_one(mean_reward))
+        t2 = time.monotonic()
+        metrics.update({
+            "reward/mean": mean_reward, "staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
+            "version/trainer": self.version, "time/batch_wait_s": t1 - t0, "time/train_s": t2 - t1,
+            "trainer/idle_frac": (t1 - t0) / max(t2 - t0, 1e-9), "batch/tokens": batch.num_tokens,
+        })
+        return metrics
+
+    async def push_weights(self) -> float:
+        """Snapshot on the trainer, then every generator loads it; returns seconds end to end."""
+        t0 = time.monotonic()
+        await timed("trainer.push_weights", self.trainer.push_weights.call(), self.cfg.weight_sync.timeout_s)
+        await self._update_generators(self.version)
+        self.last_sync_s = time.monotonic() - t0
+        return self.last_sync_s
+
+    async def _update_generators(self, version: int) -> None:
+        timeout = self.cfg.weight_sync.timeout_s + self.cfg.generator.request_timeout_s
+        if self.cfg.generator.rolling:
+            for i, g in enumerate(self.generators):
+                served = await timed(f"generator{i}.update_weights({version})", g.update_weights.call_one(version), timeout)
+                _check_served(i, served, version)
+        else:
+            served = await timed(f"update_weights({version})", asyncio.gather(
+                *[g.update_weights.call_one(version) for g in self.generators]), timeout)
+            for i, s in enumerate(served):
+                _check_served(i, s, version)
+
+    async def push_weights_overlapped(self) -> None:
+        """Start a push that overlaps the next step; the previous push must have finished first."""
+        await self.wait_push()
+        t0 = time.monotonic()
+        await timed("trainer.push_weights", self.trainer.push_weights.call(), self.cfg.weight_sync.timeout_s)
+        version = self.version
+
+        async def finish():
+            await self._update_generators(version)
+            self.last_sync_s = time.monotonic() - t0
+
+        self._push_task = asyncio.create_task(finish(), name=f"push-v{version}")
+
+    async def wait_push(self) -> None:
+        if self._push_task is not None:
+            task, self._push_task = self._push_task, None
+            await task
+
+    async def evaluate(self) -> float:
+        """Greedy completions of held-out prompts on generator 0, scored by the task's reward."""
+        items = take(self.task, self.cfg.task.seed, "eval", self.cfg.task.eval_prompts)
+        outs = await timed("generate_eval", self.generators[0].generate_eval.call_one(
+            [i.prompt for i in items], self.cfg.generator.max_new_tokens))
+        return sum(self.task.reward(i.prompt, o) for i, o in zip(items, outs)) / max(len(items), 1)
+
+    async def stats(self) -> dict:
+        out = {"buffer": await timed("buffer.stats", self.buffer.stats.call_one(), 60)}
+        for i, g in enumerate(self.generators):
+            out[f"generator{i}"] = await timed(f"generator{i}.stats", g.stats.call_one(), 60)
+        return out
+
+
+def _rank0(value_mesh: Any) -> Any:
+    """The value of rank 0 from a ValueMesh (or the value itself)."""
+    if hasattr(value_mesh, "items"):
+        return next(iter(value_mesh.items()))[1]
+    return value_mesh
+
+
+def _check_served(i: int, served: int, version: int) -> None:
+    if served != version:
+        raise RunError(f"generator{i} serves version {served} after update_weights({version})")
+
+
+# ---------------------------------------------------------------------- the job
+
+
+async def _health_loop(pipe: Pipeline) -> None:
+    """Heartbeat every actor; a generator whose loop died, or an actor that stops answering, ends the run."""
+    while True:
+        await asyncio.sleep(HEALTH_PERIOD_S)
+        for i, g in enumerate(pipe.generators):
+            st = await timed(f"generator{i}.stats (health)", g.stats.call_one(), 120)
+            if st.get("error"):
+                raise RunError(f"generator{i} failed: {st['error']}")
+
+
+async def _train_loop(pipe: Pipeline, sink, progress: Progress) -> dict:
+    cfg = pipe.cfg
+    summary: dict[str, Any] = {}
+    eval_curve: list[tuple[int, float]] = []
+    if cfg.run.eval_every and cfg.task.eval_prompts:
+        eval_curve.append((0, await pipe.evaluate()))
+        sink.log(0, {"eval/reward": eval_curve[-1][1]})
+    t_start = time.monotonic()
+    samples = 0
+    for step in range(1, cfg.run.steps + 1):
+        metrics = await pipe.train_once()
+        if cfg.run.mode == "sync":
+            await pipe.push_weights()
+        else:
+            await pipe.push_weights_overlapped()
+        samples += int(metrics.get("batch/samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
+        elapsed = time.monotonic() - t_start
+        buf = await timed("buffer.stats", pipe.buffer.stats.call_one(), 60)
+        gen = await timed("generator0.stats", pipe.generators[0].stats.call_one(), 60)
+        metrics.update({
+            "throughput/samples_per_s": samples / elapsed,
+            "throughput/gen_tokens_per_s": float(gen.get("tokens_per_s", float("nan"))),
+            "sync/latency_s": pipe.last_sync_s, "buffer/delta": float(buf.get("delta", float("nan"))),
+            "version/generator": float(gen.get("version", float("nan"))),
+            "version/lag": pipe.version - float(gen.get("version", float("nan"))),
+        })
+        if cfg.run.eval_every and cfg.task.eval_prompts and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
+            await pipe.wait_push()
+            eval_curve.append((step, await pipe.evaluate()))
+            metrics["eval/reward"] = eval_curve[-1][1]
+        sink.log(step, metrics)
+        progress.update(metrics)
+    await pipe.wait_push()
+    summary.update({"steps": cfg.run.steps, "version": pipe.version, "elapsed_s": time.monotonic() - t_start,
+                    "samples_per_s": samples / max(time.monotonic() - t_start, 1e-9), "eval_curve": eval_curve})
+    return summary
+
+
+async def run(cfg: Config, host: Any = None) -> dict:
+    """The whole job. Returns a summary dict; raises RunError naming the loop that failed."""
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sink = MetricsSink(out)
+    progress = Progress(cfg.run.steps, cfg.run.progress, desc=f"rl[{cfg.run.mode}]")
+    pipe = Pipeline(cfg, host)
+    try:
+        await pipe.start()
+        await pipe.start_generation()
+        loops = {asyncio.create_task(_train_loop(pipe, sink, progress), name="train"),
+                 asyncio.create_task(_health_loop(pipe), name="health")}
+        done, pending = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        first = done.pop()
+        if first.get_name() != "train":
+            first.result()  # raises the health loop's error
+            raise RunError("health loop ended before training finished")
+        summary = first.result()
+        ckpt = out / "hf_checkpoint"
+        await timed("trainer.export_hf", pipe.trainer.export_hf.call(str(ckpt)))
+        summary["checkpoint"] = str(ckpt)
+        summary["stats"] = await pipe.stats()
+        return summary
+    finally:
+        progress.close()
+        sink.close()
+        await pipe.shutdown()
+        if sink.path.exists() and sink.path.stat().st_size:
+            plot_summary(sink.path, out / "summary.png", title=f"{cfg.task.name} ({cfg.run.mode})")
+
+
+def print_summary(cfg: Config, summary: dict) -> None:
+    curve = summary.get("eval_curve") or []
+    print(f"\n== done: {summary['steps']} steps in {summary['elapsed_s']:.1f}s "
+          f"({summary['samples_per_s']:.2f} samples/s), trainer version {summary['version']}")
+    if curve:
+        print(f"   held-out reward: {curve[0][1]:.3f} (step {curve[0][0]}) -> {curve[-1][1]:.3f} (step {curve[-1][0]})")
+    print(f"   metrics: {cfg.run.out_dir}/metrics.jsonl, tensorboard: {cfg.run.out_dir}/tensorboard, "
+          f"plot: {cfg.run.out_dir}/summary.png")
+    print(f"   HF checkpoint: {summary.get('checkpoint')}")
+
+
+def launch(cfg: Config) -> int:
+    """Local run, or under torchrun: every rank joins one Monarch job and rank 0 drives it."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
+        from pipeline.torchrun import run_under_torchrun
+
+        return run_under_torchrun(cfg)
+    summary = asyncio.run(run(cfg))
+    print_summary(cfg, summary)
+    return 0

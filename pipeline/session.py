@@ -1,0 +1,121 @@
+"""Interactive sessions: start the meshes from a REPL or notebook and step the pipeline by hand.
+
+    >>> from pipeline.session import Session
+    >>> s = Session.start("configs/tiny.yaml", ["run.out_dir=outputs/session"])
+    >>> s.generate()              # generators start filling the buffer
+    >>> s.train_step()            # one batch -> one optimizer step; returns the trainer's metrics
+    >>> s.sync()                  # push the new weights to every generator; returns seconds
+    >>> s.versions()              # {'trainer': 1, 'generator0': 1}
+    >>> s.buffer_stats()          # occupancy, in-flight groups, drops by reason, Δ ...
+    >>> s.call("trainer", "version")   # any endpoint of any actor
+    >>> s.stop()
+
+Every method blocks until done (with the controller's timeouts) so it reads naturally at a prompt;
+the meshes live on a private event loop thread. `s.pipe` is the underlying `Pipeline` for async use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Sequence
+
+from pipeline.config import Config, load_config
+from pipeline.controller import CALL_TIMEOUT_S, Pipeline, _rank0, timed
+
+
+class Session:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pipeline-session", daemon=True)
+        self._thread.start()
+        self.pipe = Pipeline(cfg)
+        self._generating = False
+
+    @classmethod
+    def start(cls, config: str | Config | None = None, overrides: Sequence[str] = ()) -> "Session":
+        cfg = config if isinstance(config, Config) else load_config(config, overrides)
+        s = cls(cfg)
+        try:
+            s._run(s.pipe.start(), timeout=None)
+        except BaseException:
+            s.stop()
+            raise
+        return s
+
+    def _run(self, coro, timeout: float | None = CALL_TIMEOUT_S) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ stepping
+
+    def generate(self) -> None:
+        """Start generation in every generator actor (idempotent)."""
+        if not self._generating:
+            self._run(self.pipe.start_generation())
+            self._generating = True
+
+    def train_step(self) -> dict:
+        """One batch from the buffer, one optimizer step (starts generation if needed)."""
+        self.generate()
+        return self._run(self.pipe.train_once(), timeout=None)
+
+    def sync(self) -> float:
+        """Push the trainer's weights to every generator; returns the end-to-end seconds."""
+        return self._run(self.pipe.push_weights(), timeout=None)
+
+    def evaluate(self) -> float:
+        return self._run(self.pipe.evaluate())
+
+    # ------------------------------------------------------------------ inspection
+
+    def versions(self) -> dict[str, int]:
+        async def get():
+            out = {"trainer": _rank0(await timed("trainer.version", self.pipe.trainer.version.call()))}
+            for i, g in enumerate(self.pipe.generators):
+                out[f"generator{i}"] = await timed(f"generator{i}.version", g.version.call_one())
+            return out
+
+        return self._run(get())
+
+    def buffer_stats(self) -> dict:
+        return self._run(timed("buffer.stats", self.pipe.buffer.stats.call_one()))
+
+    def stats(self) -> dict:
+        return self._run(self.pipe.stats())
+
+    def call(self, actor: str, endpoint: str, *args: Any, **kwargs: Any) -> Any:
+        """Call any endpoint: actor is 'trainer', 'buffer' or 'generatorN'; trainer calls return rank 0's value."""
+        if actor == "trainer":
+            mesh, one = self.pipe.trainer, False
+        elif actor == "buffer":
+            mesh, one = self.pipe.buffer, True
+        elif actor.startswith("generator") and actor[9:].isdigit() and int(actor[9:]) < len(self.pipe.generators):
+            mesh, one = self.pipe.generators[int(actor[9:])], True
+        else:
+            raise ValueError(f"unknown actor {actor!r}; use 'trainer', 'buffer' or generator0..{len(self.pipe.generators) - 1}")
+        ep = getattr(mesh, endpoint, None)
+        if ep is None or not hasattr(ep, "call_one"):
+            raise ValueError(f"{actor} has no endpoint {endpoint!r}")
+
+        async def go():
+            if one:
+                return await timed(f"{actor}.{endpoint}", ep.call_one(*args, **kwargs))
+            return _rank0(await timed(f"{actor}.{endpoint}", ep.call(*args, **kwargs)))
+
+        return self._run(go())
+
+    def stop(self) -> None:
+        """Stop every proc mesh and the session's loop; safe to call twice."""
+        if self._loop.is_running():
+            try:
+                self._run(self.pipe.shutdown(), timeout=300)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
