@@ -1,0 +1,27 @@
+"""Weight sync: trainer -> generators, packed into fixed-size buckets, over rdma / collective / shm.
+
+    sender = WeightSender(cfg.weight_sync, hf_state_dict, num_receivers=G)   # trainer rank 0
+    handle = sender.handle()                                                 # send once to generators
+    receiver = WeightReceiver(handle, rank=g)                                # each generator
+    await asyncio.gather(sender.push(hf_sd, v), receiver.pull(v))            # per version
+    await load_into_vllm(async_llm, receiver, v, timeout_s)                  # engine serves v
+
+See sender.py for the ordering contract, plan.py for the bucket layout, transport.py for the
+transport interface, vllm_engine.py for the receiving vLLM backend. `load_into_vllm` and
+`vllm_engine_kwargs` import vLLM lazily, so trainer processes never load it.
+"""
+
+from pipeline.weightsync.errors import (PlanMismatchError, ShortBufferError, SyncTimeoutError, TornReadError,
+                                        TransportError, VersionRegressionError, WeightSyncError)
+from pipeline.weightsync.load import WeightLoadError, load_into_vllm, vllm_engine_kwargs
+from pipeline.weightsync.plan import BucketPlan, PlanEntry
+from pipeline.weightsync.receiver import WeightReceiver
+from pipeline.weightsync.sender import WeightSender
+from pipeline.weightsync.transport import SyncHandle
+from pipeline.weightsync.vllm_plugin import BACKEND as VLLM_BACKEND
+
+__all__ = [
+    "BucketPlan", "PlanEntry", "WeightSender", "WeightReceiver", "SyncHandle", "load_into_vllm",
+    "vllm_engine_kwargs", "VLLM_BACKEND", "WeightSyncError", "PlanMismatchError", "ShortBufferError",
+    "SyncTimeoutError", "TornReadError", "TransportError", "VersionRegressionError", "WeightLoadError",
+]

@@ -1,0 +1,52 @@
+"""WeightReceiver: one per generator; brings a version into shared memory the vLLM engine process maps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
+from pipeline.weightsync.transport import SyncHandle, make_receiver
+
+
+class WeightReceiver:
+    """`await pull(v)` stages version v; `staged_segment(v)` names the segment holding it.
+
+    `loaded_version` is the last version fully loaded into the engine (set by `load_into_vllm`);
+    `pulled_version` the last one staged. A pull of a version not newer than the loaded one raises
+    VersionRegressionError.
+    """
+
+    def __init__(self, handle: SyncHandle, rank: int) -> None:
+        if not 0 <= rank < handle.num_receivers:
+            raise ValueError(f"WeightReceiver: rank {rank} outside 0..{handle.num_receivers - 1}")
+        self.handle, self.plan, self.rank = handle, handle.plan, rank
+        self.timeout_s = handle.timeout_s
+        self.transport = make_receiver(handle, rank)
+        self.pulled_version: int | None = None
+        self.loaded_version: int | None = None
+        self._segment: str | None = None
+        self.last_timing: dict[str, float] = {}
+
+    async def pull(self, version: int) -> None:
+        floor = max(v for v in (self.pulled_version, self.loaded_version, -1) if v is not None)
+        if version <= floor:
+            raise VersionRegressionError(f"version {version}: receiver {self.rank} already has version {floor}")
+        self._segment = None  # a failed pull leaves nothing loadable
+        t0 = time.perf_counter()
+        try:
+            seg = await asyncio.wait_for(self.transport.fetch(version, self.timeout_s), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise SyncTimeoutError(f"version {version}: pull over {self.handle.kind} by receiver {self.rank} "
+                                   f"did not finish within {self.timeout_s:.1f}s") from None
+        self.last_timing = {"pull_s": time.perf_counter() - t0}
+        self._segment, self.pulled_version = seg, version
+
+    def staged_segment(self, version: int) -> str:
+        if self._segment is None or self.pulled_version != version:
+            raise WeightSyncError(f"version {version}: not staged on receiver {self.rank} "
+                                  f"(last pulled {self.pulled_version}); pull it first")
+        return self._segment
+
+    def close(self) -> None:
+        self.transport.close()

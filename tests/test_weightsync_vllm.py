@@ -1,0 +1,103 @@
+"""A version pushed through WeightSender/WeightReceiver into a live vLLM AsyncLLM is really served.
+
+One AsyncLLM (engine core in a child process) is shared by the module. The invariant: after a sync,
+vLLM's logprobs of a fixed sequence equal torchtitan's for the same (perturbed) weights, differ from
+the pre-sync ones, and the engine reports the pushed version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from pipeline.config import WeightSyncConfig
+from pipeline.model import build_model, export_hf, load_tokenizer, token_logprobs
+from pipeline.weightsync import (VersionRegressionError, WeightReceiver, WeightSender, load_into_vllm,
+                                 vllm_engine_kwargs)
+
+pytestmark = pytest.mark.slow
+PROMPT = "rev hello world="
+COMPLETION = "dlrow olleh"
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir, loop):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=str(tiny_dir), dtype="float32", enforce_eager=True, max_model_len=256,
+                           seed=0, **vllm_engine_kwargs())
+
+    async def start():
+        return AsyncLLM.from_engine_args(args)
+
+    llm = loop.run_until_complete(start())
+    yield llm
+    llm.shutdown()
+
+
+def vllm_logprobs(loop, llm, ids: list[int]) -> torch.Tensor:
+    from vllm import SamplingParams, TokensPrompt
+
+    async def run():
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        out = None
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=ids), sp, request_id=f"r{os.urandom(4).hex()}"):
+            pass
+        return out
+
+    out = loop.run_until_complete(asyncio.wait_for(run(), 120))
+    return torch.tensor([out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))])
+
+
+def perturbed(hf_sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * v.std().nan_to_num(0) * torch.randn(v.shape, generator=g, dtype=v.dtype)
+            if v.is_floating_point() and v.numel() > 1 else v.clone() for k, v in hf_sd.items()}
+
+
+def test_synced_weights_are_served_by_vllm(tiny_dir, engine, loop):
+    model, adapter = build_model(tiny_dir)
+    tok = load_tokenizer(tiny_dir)
+    ids = tok(PROMPT + COMPLETION)["input_ids"]
+    before = vllm_logprobs(loop, engine, ids)
+
+    cfg = WeightSyncConfig(transport="shm", bucket_mb=1, timeout_s=60)
+    hf_sd = export_hf(model, adapter)
+    sender = WeightSender(cfg, hf_sd, num_receivers=1)
+    receiver = WeightReceiver(sender.handle(), rank=0)
+    try:
+        for version, seed in ((1, 1), (2, 2)):
+            new_sd = perturbed(hf_sd, seed)
+            model.load_state_dict(adapter.from_hf(dict(new_sd)), strict=False)  # from_hf mutates its input
+            with torch.no_grad():
+                ref = token_logprobs(model, torch.tensor([ids]))[0]
+
+            async def sync():
+                await asyncio.gather(sender.push(new_sd, version), receiver.pull(version))
+                await load_into_vllm(engine, receiver, version, timeout_s=60)
+
+            loop.run_until_complete(sync())
+            after = vllm_logprobs(loop, engine, ids)
+            assert loop.run_until_complete(engine.get_weight_version()) == str(version)
+            assert receiver.loaded_version == version
+            assert (after - ref).abs().max().item() <= 1e-3, (version, after, ref)
+            assert (after - before).abs().max().item() > 1e-2, "vLLM still serves the old weights"
+            before = after
+
+        with pytest.raises(VersionRegressionError, match="version 1"):
+            loop.run_until_complete(receiver.pull(1))
+    finally:
+        receiver.close()
+        sender.close()
