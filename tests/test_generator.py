@@ -1,0 +1,284 @@
+"""GeneratorActor on real Monarch procs with a real vLLM CPU engine and the tiny model.
+
+One engine (built with on_update=keep, so prefix caching is off and every strategy is safe on it)
+serves all tests; each weight update loads a different tiny checkpoint (seed k -> version k) through
+the weight-sync path (shm sender -> WeightReceiver -> load_into_vllm), as `load_checkpoint` does. The work source is a real queue-backed actor defined here, feeding real
+prompts from pipeline.tasks.reverse. Trainer logprobs come from pipeline.model (torchtitan, fp32).
+
+    .venv/bin/python -m pytest -q tests/test_generator.py -x
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+
+import pytest
+import torch
+from monarch.actor import Actor, endpoint, this_host
+
+from actors.generator import GeneratorActor
+from pipeline.config import Config, GeneratorConfig, ModelConfig, TinyModelConfig
+from pipeline.model import build_model, ensure_tiny_assets, token_logprobs
+from pipeline.tasks import load_task, take
+from pipeline.types import PromptGroup, PromptItem
+
+from tests.conftest import REPO
+
+N_PRIME, GROUP, MAX_NEW = 4, 2, 160
+CACHE = str(REPO / ".cache" / "tiny-model")
+
+
+class QueueSource(Actor):
+    """A tiny real work source: admits groups from a list of prompts, records rollouts and releases."""
+
+    def __init__(self):
+        self.items: deque[PromptItem] = deque()
+        self.rollouts, self.released, self.next_id = [], [], itertools.count()
+
+    @endpoint
+    async def feed(self, items: list[PromptItem]) -> None:
+        self.items.extend(items)
+
+    @endpoint
+    async def admit(self, wait_s: float) -> PromptGroup | None:
+        if not self.items:
+            await asyncio.sleep(min(wait_s, 0.05))
+            return None
+        return PromptGroup(next(self.next_id), self.items.popleft(), GROUP, admitted_version=0)
+
+    @endpoint
+    async def add(self, rollout) -> None:
+        rollout.validate()
+        self.rollouts.append(rollout)
+
+    @endpoint
+    async def release(self, group_id: int) -> bool:
+        self.released.append(group_id)
+        return True
+
+    @endpoint
+    async def drain(self) -> tuple[list, list, int]:
+        """Rollouts and releases so far (cleared), and prompts not yet admitted."""
+        out = (self.rollouts, self.released, len(self.items))
+        self.rollouts, self.released = [], []
+        return out
+
+
+def make_cfg() -> Config:
+    return Config(model=ModelConfig(cache_dir=CACHE), generator=GeneratorConfig(
+        concurrency=N_PRIME, on_update="keep", carry_over="keep", max_new_tokens=MAX_NEW, ignore_eos=True,
+        temperature=1.0, top_p=1.0, max_model_len=256, start_timeout_s=240, request_timeout_s=120))
+
+
+def ckpt(seed: int):
+    return ensure_tiny_assets(ModelConfig(cache_dir=CACHE, tiny=TinyModelConfig(seed=seed)))
+
+
+@pytest.fixture(scope="module")
+def env():
+    loop = asyncio.new_event_loop()
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    src_procs = this_host().spawn_procs(per_host={"procs": 1})
+    gen = procs.spawn("gen", GeneratorActor, make_cfg(), 0)
+    src = src_procs.spawn("src", QueueSource)
+    info = loop.run_until_complete(gen.setup.call_one())
+    assert info["generator_id"] == 0
+    models: dict[int, torch.nn.Module] = {}
+
+    def model(version: int):
+        if version not in models:
+            models[version] = build_model(ckpt(version))[0].eval()
+        return models[version]
+
+    yield loop, gen, src, model
+    loop.run_until_complete(gen.shutdown.call_one())
+    loop.run_until_complete(procs.stop())
+    loop.run_until_complete(src_procs.stop())
+    loop.close()
+
+
+def prompts(n: int, seed: int) -> list[PromptItem]:
+    return take(load_task("pipeline.tasks.reverse"), seed, "train", n)
+
+
+async def wait_until(pred, timeout_s: float, what: str, every: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = await pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+async def run_stage_with_update(gen, src, version: int, on_update: str, n_prompts: int, seed: int):
+    """Start a stage, update to `version` mid-flight, end the stage, wait until idle; return rollouts."""
+    base = (await gen.stats.call_one())["groups"]
+    await src.feed.call_one(prompts(n_prompts, seed))
+    await gen.start.call_one(src)
+    await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
+    served = await gen.load_checkpoint.call_one(str(ckpt(version)), version, on_update)
+    assert served == version == await gen.version.call_one()
+    await finish_stage(gen, base + n_prompts)
+    rollouts, released, _ = await src.drain.call_one()
+    assert not released
+    return rollouts
+
+
+async def finish_stage(gen, groups: int, carry_over: str = "keep"):
+    """Once `groups` groups were admitted and started, end the stage and wait for the engine to idle."""
+    async def started():
+        s = await gen.stats.call_one()
+        return s["groups"] == groups and s["pending"] == 0
+    await wait_until(started, 120, f"{groups} groups admitted and started")
+    await gen.end_stage.call_one(carry_over)
+    await wait_until(lambda: _idle(gen), 120, "in-flight requests to finish")
+
+
+async def _all_in_engine(gen):
+    return (await gen.stats.call_one())["in_engine"] == N_PRIME
+
+
+async def _idle(gen):
+    return (await gen.stats.call_one())["in_flight"] == 0
+
+
+def recompute(model, r) -> torch.Tensor:
+    ids = torch.tensor([list(r.prompt_tokens) + list(r.completion_tokens)])
+    with torch.no_grad():
+        lp = token_logprobs(model, ids)[0]
+    return lp[len(r.prompt_tokens) - 1:]
+
+
+def check_against_trainer(model_of, r, exact_versions: set[int]) -> None:
+    """Tokens of a version in `exact_versions` match that version's trainer logprobs (fp32, 1e-3)."""
+    versions = torch.tensor(r.versions)
+    beh = torch.tensor(r.logprobs)
+    for v in sorted(set(r.versions) & exact_versions):
+        mask = versions == v
+        err = (recompute(model_of(v), r)[mask] - beh[mask]).abs().max().item()
+        assert err <= 1e-3, f"group {r.group_id}: version-{v} tokens differ from the trainer by {err:.2e}"
+
+
+def test_in_flight_stays_at_n_prime_while_prompts_remain(env):
+    loop, gen, src, model = env
+
+    async def go():
+        await src.feed.call_one(prompts(12, seed=1))
+        await gen.start.call_one(src)
+        await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
+        samples = []
+        served = await gen.load_checkpoint.call_one(str(ckpt(1)), 1, "keep")
+        while (s := await gen.stats.call_one())["groups"] < 12 or s["pending"] > 0:
+            if s["pending"] > 0:
+                samples.append(s["in_flight"])
+            await asyncio.sleep(0.01)
+        await finish_stage(gen, 12)
+        rollouts, _, _ = await src.drain.call_one()
+        return served, samples, rollouts
+
+    served, samples, rollouts = loop.run_until_complete(go())
+    assert served == 1 and len(rollouts) == 12 * GROUP
+    assert len(samples) >= 10, f"too few samples while prompts remained: {samples}"
+    assert all(n == N_PRIME for n in samples), f"in-flight count left N'={N_PRIME}: {samples}"
+
+
+def test_keep_versions_and_logprobs(env):
+    loop, gen, src, model = env
+    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, 2, "keep", 8, seed=2))
+    assert len(rollouts) == 8 * GROUP
+    spanning = [r for r in rollouts if set(r.versions) == {1, 2}]
+    assert spanning, "no trajectory spanned the update"
+    for r in rollouts:
+        assert list(r.versions) == sorted(r.versions), "versions must only move forward"
+        assert len(r.completion_tokens) == MAX_NEW and r.finish_reason == "length"
+        check_against_trainer(model, r, {1})  # old-version tokens are exact
+        if set(r.versions) == {2}:
+            check_against_trainer(model, r, {2})  # one-version trajectories are exact
+    for r in spanning:
+        # The first new-version token is sampled with stale KV, so it matches neither model; if it
+        # had been sampled by the old weights it would match version 1 to ~1e-6.
+        k = r.versions.index(2)
+        old = recompute(model(1), r)[k].item()
+        assert abs(old - r.logprobs[k]) > 1e-3, "token labelled version 2 was sampled by version 1"
+        assert r.reprefill_tokens == 0
+
+
+def test_abort_resumes_on_exact_tokens_under_new_weights(env):
+    loop, gen, src, model = env
+    before = loop.run_until_complete(gen.stats.call_one())["reprefill_tokens"]
+    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, 3, "abort", 8, seed=3))
+    spanning = [r for r in rollouts if set(r.versions) == {2, 3}]
+    assert spanning, "no trajectory spanned the update"
+    for r in rollouts:
+        assert list(r.versions) == sorted(r.versions)
+        # Both parts match the trainer exactly: old tokens under version 2, and the resumed part under
+        # version 3 conditioned on exactly those tokens (a fresh re-prefill, no stale KV).
+        check_against_trainer(model, r, {2, 3})
+    for r in spanning:
+        assert r.reprefill_tokens == len(r.prompt_tokens) + r.versions.index(3)
+    stats = loop.run_until_complete(gen.stats.call_one())
+    assert stats["reprefill_tokens"] - before == sum(r.reprefill_tokens for r in rollouts) > 0
+    assert stats["updates"] == 3 and len(stats["pause_s"]) == 3
+
+
+def test_drain_gives_every_trajectory_one_version(env):
+    loop, gen, src, model = env
+    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, 4, "drain", 8, seed=4))
+    assert len(rollouts) == 8 * GROUP
+    assert {r.versions[0] for r in rollouts} == {3, 4}, "expected trajectories on both sides of the update"
+    for r in rollouts:
+        assert len(set(r.versions)) == 1, f"group {r.group_id} has versions {set(r.versions)}"
+        check_against_trainer(model, r, {3, 4})
+
+
+def test_save_carries_partials_into_next_stage(env):
+    loop, gen, src, model = env
+
+    async def go():
+        base = (await gen.stats.call_one())["groups"]
+        await src.feed.call_one(prompts(4, seed=5))
+        await gen.start.call_one(src)
+        await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
+        ended = await gen.end_stage.call_one("save")
+        first, _, _ = await src.drain.call_one()
+        await gen.start.call_one(src)
+        await finish_stage(gen, base + 4)
+        second, _, _ = await src.drain.call_one()
+        return ended, first, second
+
+    ended, first, second = loop.run_until_complete(go())
+    assert ended["carried"] >= 1 and ended["running"] == 0
+    assert len(first) + len(second) == 4 * GROUP
+    resumed = [r for r in second if r.reprefill_tokens > 0]
+    assert len(resumed) == ended["carried"]
+    for r in first + second:
+        assert len(r.completion_tokens) == MAX_NEW and set(r.versions) == {4}
+        check_against_trainer(model, r, {4})
+
+
+def test_bad_requests_fail_alone_and_are_counted(env):
+    loop, gen, src, model = env
+    bad = [PromptItem(10_000, ""), PromptItem(10_001, "rev " + "a" * 300 + "=")]
+
+    async def go():
+        s0 = await gen.stats.call_one()
+        await src.feed.call_one(bad + prompts(3, seed=6))
+        await gen.start.call_one(src)
+        await finish_stage(gen, s0["groups"] + 5)
+        rollouts, released, _ = await src.drain.call_one()
+        with pytest.raises(Exception, match="bad_sampling_params"):
+            await gen.generate_eval.call_one(["rev abc="], 0)
+        texts = await gen.generate_eval.call_one(["rev abc=", "rev hgf="], 8)
+        return s0["failed"], (await gen.stats.call_one())["failed"], rollouts, released, texts
+
+    before, after, rollouts, released, texts = loop.run_until_complete(go())
+    for reason in ("empty_prompt", "prompt_too_long"):
+        assert 1 <= after.get(reason, 0) - before.get(reason, 0) <= GROUP, (reason, after)
+    assert len(released) == 2
+    assert len(rollouts) == 3 * GROUP
+    assert len(texts) == 2 and all(isinstance(t, str) and len(t) <= 8 for t in texts)
