@@ -1,0 +1,135 @@
+"""torch.distributed transport: rank 0 (the sender) broadcasts the header, then each bucket.
+
+A dedicated process group of `1 + num_receivers` ranks (sender = 0, receiver r = r + 1), built
+from a TCPStore the sender hosts, never the trainer's default group. `gloo` on CPU, `nccl` on GPU
+(same code; with nccl the slots and the receive bucket live on cuda and each received bucket is
+copied to the host staging segment). The group forms lazily on the first push/pull, which must run
+concurrently (see WeightSender). Every collective runs on one worker thread per side, so the
+actor's event loop stays free, and waits at most `timeout_s`. A failed or timed-out collective
+leaves the group unusable: the run must fail (it does: the error propagates).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.weightsync import shm
+from pipeline.weightsync.errors import TransportError
+from pipeline.weightsync.plan import BucketPlan
+from pipeline.weightsync.transport import NUM_SLOTS, ReceiverTransport, SenderTransport, Slot, SyncHandle
+
+
+def _host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class _Group:
+    """The process group plus the thread that drives it."""
+
+    def __init__(self, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        self.backend, self.host, self.port, self.rank, self.world = backend, host, port, rank, world
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-pg{rank}")
+
+    def _init(self) -> None:
+        store = dist.TCPStore(self.host, self.port, self.world, is_master=False, timeout=self.timeout)
+        prefix = dist.PrefixStore("monarch_rl_weightsync", store)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, self.timeout)
+
+    def _broadcast(self, tensors: list[torch.Tensor], what: str, first_bucket: int, after) -> None:
+        step = "group init"
+        try:
+            if self.pg is None:
+                self._init()
+            for i, t in enumerate(tensors):
+                step = "header" if i < first_bucket else f"bucket {i - first_bucket}"
+                self.pg.broadcast(t, 0).wait(self.timeout)
+                if after is not None:
+                    after(i, t)
+        except Exception as e:
+            raise TransportError(f"{what}: {self.backend} broadcast of {step} (rank {self.rank}/{self.world}) "
+                                 f"failed: {type(e).__name__}: {e}") from e
+
+    async def broadcast(self, tensors: list[torch.Tensor], what: str, first_bucket: int = 0, after=None) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._broadcast, tensors, what,
+                                                         first_bucket, after)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pg = None
+
+
+class CollectiveSender(SenderTransport):
+    kind = "collective"
+
+    def __init__(self, plan: BucketPlan, num_receivers: int, cfg) -> None:
+        super().__init__(plan, num_receivers, cfg)
+        device = "cuda" if cfg.backend == "nccl" else "cpu"
+        world = num_receivers + 1
+        self._store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self._host = cfg.collective_host or _host()
+        self._group = _Group(cfg.backend, "127.0.0.1", self._store.port, 0, world, cfg.timeout_s)
+        self.slots = [Slot(torch.zeros(shm.HEADER_WORDS, dtype=torch.int64, device=device),
+                           torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)) for _ in range(NUM_SLOTS)]
+        for s in self.slots:
+            s.header[shm.H_VERSION] = shm.EMPTY
+
+    def handle_info(self) -> dict[str, Any]:
+        return {"host": self._host, "port": self._store.port, "backend": self.cfg.backend}
+
+    async def send(self, slot: int, version: int, timeout_s: float) -> None:
+        s = self.slots[slot]
+        await self._group.broadcast([s.header, *self.plan.buckets(s.data)], f"version {version} push", 1)
+
+    def close(self) -> None:
+        self._group.close()
+        self.slots = []
+
+
+class CollectiveReceiver(ReceiverTransport):
+    def __init__(self, handle: SyncHandle, rank: int) -> None:
+        super().__init__(handle, rank)
+        info = handle.info
+        self._group = _Group(info["backend"], info["host"], info["port"], rank + 1, handle.num_receivers + 1,
+                             handle.timeout_s)
+        self._stage = shm.Segment(shm.new_name(f"coll-r{rank}"), self.plan.total_bytes, create=True)
+        self._cuda = info["backend"] == "nccl"
+        self._header = torch.zeros(shm.HEADER_WORDS, dtype=torch.int64, device="cuda" if self._cuda else "cpu")
+
+    async def fetch(self, version: int, timeout_s: float) -> str:
+        await self._group.broadcast([self._header], f"version {version} pull", 1)
+        # A mismatch here leaves the sender blocked on the buckets until its timeout: the run fails
+        # on both sides, with this message being the cause.
+        shm.check_header(self._header.cpu(), version, self.plan.hash_int, f"collective push from {self._group.host}")
+        shm.begin_write(self._stage.header)
+        host_buckets = self.plan.buckets(self._stage.data)
+        if self._cuda:  # receive on device, copy each bucket to its place in the host stage
+            dev = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device="cuda")
+            views = [dev[:b.numel()] for b in host_buckets]
+            after = lambda i, t: host_buckets[i].copy_(t)  # noqa: E731
+        else:
+            views, after = host_buckets, None
+        await self._group.broadcast(views, f"version {version} pull", 0, after)
+        shm.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+        return self._stage.name
+
+    def close(self) -> None:
+        self._group.close()
+        self._stage.close()
