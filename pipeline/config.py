@@ -258,6 +258,8 @@ class WeightSyncConfig:
     """Bucket size in MiB (1..4096)."""
     timeout_s: float = 120.0
     """Seconds one push or pull may take before it fails loudly."""
+    collective_host: str = ""
+    """Address generators use to reach the trainer's rendezvous store (transport=collective); empty: this host's IP."""
 
     def __post_init__(self) -> None:
         _choice("weight_sync.transport", self.transport, ("rdma", "collective", "shm"))
