@@ -84,14 +84,16 @@ class TrainerActor(Actor):
 
     @endpoint
     async def sync_handle(self, num_receivers: int):
-        """Rank 0 builds the WeightSender from HF-named metadata (no collective); returns its handle."""
+        """Rank 0 builds the WeightSender from HF-named metadata; returns its handle (None elsewhere).
+        Every rank must take part: torchtitan's fused-QKV state-dict hook gathers DTensors."""
+        meta = self._c().hf_meta()
         if self._c().rank != 0:
             return None
         from pipeline.weightsync.sender import WeightSender
 
         if self.sender is not None:
             self.sender.close()
-        self.sender = WeightSender(self.cfg.weight_sync, self._c().hf_meta(), num_receivers)
+        self.sender = WeightSender(self.cfg.weight_sync, meta, num_receivers)
         return self.sender.handle()
 
     @endpoint

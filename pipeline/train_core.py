@@ -159,7 +159,7 @@ class TrainCore:
         if not math.isfinite(loss_v):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"trainer: sft loss is {loss_v}; step skipped, weights not updated")
-        return {"sft_loss": loss_v, "grad_norm": self._clip_and_step(), "tokens": n_tok}
+        return {"loss": loss_v, "grad_norm": self._clip_and_step(), "tokens": n_tok}
 
     def _clip_and_step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
@@ -187,7 +187,8 @@ class TrainCore:
     # ------------------------------------------------------------------ weights out
 
     def hf_meta(self) -> dict[str, torch.Tensor]:
-        """HF-named meta tensors (global shapes, no data, no collective) for a weight-sync plan."""
+        """HF-named meta tensors (global shapes, no data) for a weight-sync plan. Collective under
+        FSDP: torchtitan's fused-QKV state_dict hook gathers, so every rank must call it."""
         sd = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.model.state_dict().items()}
         return self.adapter.to_hf(sd)
 

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 def cfg_for(ranks: int, **kw) -> Config:
-    return Config(model=ModelConfig(), trainer=TrainerConfig(num_ranks=ranks, lr=1e-3, **kw))
+    # A short process-group timeout: a collective mismatch fails the test in 60 s instead of hanging.
+    return Config(model=ModelConfig(), trainer=TrainerConfig(num_ranks=ranks, lr=1e-3, init_timeout_s=60, **kw))
 
 
 def gather(loop, *coros):
@@ -106,3 +107,29 @@ def test_checkpoint_resumes_on_a_fresh_mesh(loop, trainers, batch, tmp_path):
         loop.run_until_complete(fresh.close())
     assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
     assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+
+
+def test_push_weights_publishes_a_snapshot_that_survives_the_next_step(loop, trainers, batch, tmp_path):
+    """rank 0 packs the gathered FSDP weights; a receiver reading after the next step still sees them."""
+    from pipeline.weightsync import WeightReceiver
+    from pipeline.weightsync.shm import Segment
+
+    _, two = trainers
+    handle = loop.run_until_complete(two.sync_handle(1))
+    receiver = WeightReceiver(handle, rank=0)
+    try:
+        wv = loop.run_until_complete(two.push_weights())
+        version = loop.run_until_complete(two.version())
+        assert wv.version == version and wv.total_bytes == handle.plan.total_bytes
+        want = hf_weights(loop, two, tmp_path / "pushed")
+        loop.run_until_complete(two.train_step(batch))  # overlaps the transfer: must not tear the snapshot
+        loop.run_until_complete(receiver.pull(version))
+        seg = Segment(receiver.staged_segment(version), handle.plan.total_bytes, create=False)
+        got = {k: v.clone() for k, v in handle.plan.unpack(seg.data, version)}
+        seg.close()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        after = hf_weights(loop, two, tmp_path / "after")
+        assert any(not torch.equal(after[k], want[k]) for k in want)  # the step did change the live weights
+    finally:
+        receiver.close()

@@ -161,7 +161,7 @@ def test_sft_step_lowers_demo_loss_without_advancing_version(core):
     first = core.sft_step(b.input_ids, b.loss_mask)
     for _ in range(3):
         last = core.sft_step(b.input_ids, b.loss_mask)
-    assert last["sft_loss"] < first["sft_loss"] and core.version == 0
+    assert last["loss"] < first["loss"] and core.version == 0
 
 
 def test_kl_penalty_to_initial_policy_is_reported(cfg):
