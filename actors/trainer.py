@@ -48,7 +48,7 @@ class TrainerActor(Actor):
     async def setup(self) -> dict:
         rank, world = current_rank().rank, current_size()["procs"]
         tcfg = self.cfg.trainer
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(tcfg.cpu_threads or max(1, (os.cpu_count() or 1) // world))
         if tcfg.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         import torch.distributed as dist

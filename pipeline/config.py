@@ -217,6 +217,8 @@ class TrainerConfig:
     """KL estimator: k1 | k3."""
     micro_batch_size: int = 0
     """Samples per forward/backward (0: the whole batch at once)."""
+    cpu_threads: int = 0
+    """torch intra-op threads per rank (0: cpu_count // num_ranks, at least 1)."""
     init_timeout_s: float = 300.0
     """Seconds the trainer ranks may take to rendezvous and build the model before start fails."""
     step_timeout_s: float = 600.0
@@ -244,6 +246,7 @@ class TrainerConfig:
         _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
         _choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
+        _check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, ">= 0")
         _check(self.init_timeout_s > 0, "trainer.init_timeout_s", self.init_timeout_s, "> 0")
         _check(self.step_timeout_s > 0, "trainer.step_timeout_s", self.step_timeout_s, "> 0")
 

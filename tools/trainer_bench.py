@@ -7,9 +7,11 @@ Each rank count gets a fresh trainer mesh (tiny model unless model.hf_dir is set
 step, then `--steps` timed steps on synthetic batches (random tokens, sampler logprobs with noise,
 random advantages). Reports trained (loss-mask) tokens/s and total tokens/s as seen by the driver,
 the speed-up of each rank count over the first, and writes results.json, results.csv and
-tokens_per_s.png to --out. Each rank uses cpu_count / ranks torch threads, so on this 2-core box
-both meshes use both cores; the machine is shared with other jobs, so repeat a run before trusting
-a ratio (one-rank step times in particular swing with load).
+tokens_per_s.png to --out. Each rank uses trainer.cpu_threads torch threads (default
+cpu_count / ranks). Measured on this shared 2-core box (32x128 tokens, tiny model): with one
+thread per rank (`trainer.cpu_threads=1`) 1 rank ~12.6k and 2 ranks ~14.0k trained tokens/s
+(1.11x); with the default, the 1-rank mesh runs 2 threads and swings from 2.5k to 8.4k tokens/s
+under the other jobs' load, so its "speed-up" of 1.5-5x measures contention, not FSDP.
 """
 
 from __future__ import annotations
