@@ -169,3 +169,15 @@ def test_kl_penalty_to_initial_policy_is_reported(cfg):
     b = make_batch(core.model)
     assert core.train_step(b)["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # still the initial policy
     assert core.train_step(b)["kl_ref"] > 0  # k3 >= 0 and the policy has moved
+
+
+def test_micro_batches_accumulate_to_the_full_batch_step(cfg):
+    full = TrainCore(cfg)
+    micro = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, micro_batch_size=4)))
+    b = make_batch(full.model, n=7, mu_noise=0.2)
+    mf, mm = full.train_step(b), micro.train_step(b)
+    for k in ("loss", "grad_norm", "tokens", "mismatch_resp_max", "is_ess", "entropy"):
+        assert mm[k] == pytest.approx(mf[k], rel=1e-5, abs=1e-7), k
+    wf, wm = weights(full), weights(micro)
+    for k in wf:
+        torch.testing.assert_close(wm[k], wf[k], rtol=0, atol=1e-5, msg=k)
