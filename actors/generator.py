@@ -6,7 +6,7 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     await gens.setup.call()                                        # start the engine (start_timeout_s)
     await gens.attach_weights.call(handle)                         # once: builds the WeightReceiver
     await gens.start.call(buf)                                     # N' requests in flight from buf.admit()
-    await update_generators(gens, v, rolling=cfg.generator.rolling) # pull + on_update strategy + load
+    await gens.update_weights.call(v)                              # pull, then on_update strategy + load
     await gens.end_stage.call()                                    # carry_over: keep running | save partials
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
     await gens.stats.call_one()                                    # version, in-flight, tokens/s, pauses...
@@ -14,6 +14,7 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
 
 Finished rollouts (with reward from the task plug-in) go to `buf.add` one at a time; a request
 with bad input is counted in stats()["failed"] and its group is handed back with `buf.release`.
+`generator.rolling` is the controller's job: it calls update_weights on one generator at a time.
 The logic lives in pipeline/rollout_engine.py; this file only adapts it to Monarch.
 """
 
@@ -29,7 +30,7 @@ from pipeline.config import Config
 from pipeline.rollout_engine import RolloutEngine
 from pipeline.types import PromptGroup, Rollout
 
-__all__ = ["GeneratorActor", "MeshSource", "update_generators"]
+__all__ = ["GeneratorActor", "MeshSource"]
 
 
 class MeshSource:
@@ -135,11 +136,3 @@ class GeneratorActor(Actor):
             self.receiver.close()
             self.receiver = None
 
-
-async def update_generators(gens, version: int, rolling: bool, num_generators: int) -> list[int]:
-    """Update a generator mesh to `version`; rolling: one generator at a time, so the others keep serving."""
-    if not rolling or num_generators == 1:
-        served = await gens.update_weights.call(version)
-        return [v for _, v in served.items()]
-    flat = gens.flatten("gen")
-    return [await flat.slice(gen=i).update_weights.call_one(version) for i in range(num_generators)]

@@ -385,5 +385,5 @@ class RolloutEngine:
         s = self.stats.snapshot()
         s.update(generator_id=self.gid, version=self.version, in_flight=len(self._active),
                  in_engine=len(self._rids), pending=len(self._pending), carried=len(self._carried),
-                 admitting=self._admitting, broken=repr(self._broken) if self._broken else None)
+                 admitting=self._admitting, error=str(self._broken) if self._broken else None)
         return s
