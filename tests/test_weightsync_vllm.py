@@ -15,8 +15,9 @@ import torch
 
 from pipeline.config import WeightSyncConfig
 from pipeline.model import build_model, export_hf, load_tokenizer, token_logprobs
-from pipeline.weightsync import (VersionRegressionError, WeightReceiver, WeightSender, load_into_vllm,
-                                 vllm_engine_kwargs)
+from pipeline.weightsync import (VersionRegressionError, WeightLoadError, WeightReceiver, WeightSender,
+                                 load_into_vllm, vllm_engine_kwargs)
+from pipeline.weightsync.load import INVALID_PREFIX
 
 pytestmark = pytest.mark.slow
 PROMPT = "rev hello world="
@@ -98,6 +99,43 @@ def test_synced_weights_are_served_by_vllm(tiny_dir, engine, loop):
 
         with pytest.raises(VersionRegressionError, match="version 1"):
             loop.run_until_complete(receiver.pull(1))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_failed_load_is_loud_unclaimed_and_recoverable(tiny_dir, engine, loop):
+    """Breaking the slot-reuse rule (two pushes while a version sits staged) fails the load; the engine
+    then claims no version, and the next good load serves again."""
+    model, adapter = build_model(tiny_dir)
+    ids = load_tokenizer(tiny_dir)(PROMPT + COMPLETION)["input_ids"]
+    hf_sd = export_hf(model, adapter)
+    sender = WeightSender(WeightSyncConfig(transport="shm", bucket_mb=1, timeout_s=60), hf_sd, num_receivers=1)
+    receiver = WeightReceiver(sender.handle(), rank=0)
+    try:
+        async def stale_load():
+            await asyncio.gather(sender.push(perturbed(hf_sd, 10), 10), receiver.pull(10))
+            await sender.push(perturbed(hf_sd, 11), 11)
+            await sender.push(perturbed(hf_sd, 12), 12)  # reuses the slot version 10 is staged in
+            await load_into_vllm(engine, receiver, 10, timeout_s=60)
+
+        with pytest.raises(WeightLoadError, match="version 10"):
+            loop.run_until_complete(stale_load())
+        assert loop.run_until_complete(engine.get_weight_version()) == f"{INVALID_PREFIX}10"
+        assert receiver.loaded_version != 10
+
+        new_sd = perturbed(hf_sd, 13)
+
+        async def good_load():
+            await asyncio.gather(sender.push(new_sd, 13), receiver.pull(13))
+            await load_into_vllm(engine, receiver, 13, timeout_s=60)
+
+        loop.run_until_complete(good_load())
+        model.load_state_dict(adapter.from_hf(dict(new_sd)), strict=False)
+        with torch.no_grad():
+            ref = token_logprobs(model, torch.tensor([ids]))[0]
+        assert loop.run_until_complete(engine.get_weight_version()) == "13"
+        assert (vllm_logprobs(loop, engine, ids) - ref).abs().max().item() <= 1e-3
     finally:
         receiver.close()
         sender.close()

@@ -14,6 +14,10 @@ def vllm_engine_kwargs() -> dict:
     return {"weight_transfer_config": {"backend": BACKEND}}
 
 
+INVALID_PREFIX = "invalid-partial-load-of-"
+"""Weight version an engine reports after a failed load: it no longer claims any whole version."""
+
+
 class WeightLoadError(WeightSyncError):
     """The engine did not finish loading a version; its weights may be partly new. Do not serve."""
 
@@ -23,9 +27,9 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
 
     Pause generation around this call (the generator's `on_update` strategy). On return the
     engine serves `version` (checked with `get_weight_version`) and `receiver.loaded_version`
-    is set. On any failure it raises WeightLoadError / SyncTimeoutError naming the version; the
-    engine may then hold a mix of old and new weights, so the caller must not resume serving
-    until a later load succeeds.
+    is set. On any failure it raises WeightLoadError / SyncTimeoutError naming the version and
+    sets the engine's weight version to `INVALID_PREFIX + str(version)`: the engine may hold a mix
+    of old and new weights, so the caller must not resume serving until a later load succeeds.
     """
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -43,15 +47,24 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
 
     try:
         await asyncio.wait_for(run(), timeout_s)
-    except asyncio.TimeoutError:
-        raise SyncTimeoutError(f"version {version}: loading into vLLM (segment {segment}) did not finish "
-                               f"within {timeout_s:.1f}s; engine state unknown, do not serve") from None
-    except WeightSyncError:
+    except BaseException as e:
+        # The engine may hold a mix of versions; make it stop claiming the old one too.
+        await _mark_invalid(engine, version)
+        if isinstance(e, asyncio.TimeoutError):
+            raise SyncTimeoutError(f"version {version}: loading into vLLM (segment {segment}) did not finish "
+                                   f"within {timeout_s:.1f}s; engine state unknown, do not serve") from None
+        if isinstance(e, Exception) and not isinstance(e, WeightSyncError):
+            raise WeightLoadError(f"version {version}: vLLM failed to load segment {segment}: "
+                                  f"{type(e).__name__}: {e}") from e
         raise
-    except Exception as e:
-        raise WeightLoadError(f"version {version}: vLLM failed to load segment {segment}: "
-                              f"{type(e).__name__}: {e}") from e
     served = await engine.get_weight_version()
     if served != str(version):
         raise WeightLoadError(f"version {version}: engine reports weight version {served!r} after loading")
     receiver.loaded_version = version
+
+
+async def _mark_invalid(engine, version: int) -> None:
+    try:
+        await asyncio.wait_for(engine.update_weight_version(f"{INVALID_PREFIX}{version}"), 30)
+    except Exception:  # the engine may be dead; the raised load error already says do not serve
+        pass

@@ -53,6 +53,8 @@ class WeightSender:
         self.plan = BucketPlan.from_state_dict(state_dict_meta_or_sd, cfg.bucket_mb << 20)
         self.num_receivers = num_receivers
         self.transport = make_sender(cfg.transport, self.plan, num_receivers, cfg)
+        for slot in self.transport.slots:  # fault the pages in now, not during the first pushes
+            slot.data.zero_()
         self._pushes = 0
         self._last_version: int | None = None
         self._slot_of: dict[int, int] = {}
