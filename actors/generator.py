@@ -5,7 +5,7 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     gens = procs.spawn("gen", GeneratorActor, cfg, generator_id)   # one actor per engine
     await gens.setup.call()                                        # start the engine (start_timeout_s)
     await gens.attach_weights.call(handle)                         # once: builds the WeightReceiver
-    await gens.start.call(buf)                                     # N' requests in flight from buf.admit()
+    await gens.start_generation.call(buf)                          # N' requests in flight from buf.admit()
     await gens.update_weights.call(v)                              # pull, then on_update strategy + load
     await gens.end_stage.call()                                    # carry_over: keep running | save partials
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
@@ -63,7 +63,7 @@ class GeneratorActor(Actor):
         return await self.core.start_engine(vllm_engine_kwargs())
 
     @endpoint
-    async def start(self, buffer) -> None:
+    async def start_generation(self, buffer) -> None:
         """Begin a stage: keep generator.concurrency requests in flight, carried-over partials first."""
         self.core.begin_stage(MeshSource(buffer))
 

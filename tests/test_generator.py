@@ -119,7 +119,7 @@ async def run_stage_with_update(gen, src, version: int, on_update: str, n_prompt
     """Start a stage, update to `version` mid-flight, end the stage, wait until idle; return rollouts."""
     base = (await gen.stats.call_one())["groups"]
     await src.feed.call_one(prompts(n_prompts, seed))
-    await gen.start.call_one(src)
+    await gen.start_generation.call_one(src)
     await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
     served = await gen.load_checkpoint.call_one(str(ckpt(version)), version, on_update)
     assert served == version == await gen.version.call_one()
@@ -169,7 +169,7 @@ def test_in_flight_stays_at_n_prime_while_prompts_remain(env):
 
     async def go():
         await src.feed.call_one(prompts(12, seed=1))
-        await gen.start.call_one(src)
+        await gen.start_generation.call_one(src)
         await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
         samples = []
         served = await gen.load_checkpoint.call_one(str(ckpt(1)), 1, "keep")
@@ -242,11 +242,11 @@ def test_save_carries_partials_into_next_stage(env):
     async def go():
         base = (await gen.stats.call_one())["groups"]
         await src.feed.call_one(prompts(4, seed=5))
-        await gen.start.call_one(src)
+        await gen.start_generation.call_one(src)
         await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
         ended = await gen.end_stage.call_one("save")
         first, _, _ = await src.drain.call_one()
-        await gen.start.call_one(src)
+        await gen.start_generation.call_one(src)
         await finish_stage(gen, base + 4)
         second, _, _ = await src.drain.call_one()
         return ended, first, second
@@ -268,7 +268,7 @@ def test_bad_requests_fail_alone_and_are_counted(env):
     async def go():
         s0 = await gen.stats.call_one()
         await src.feed.call_one(bad + prompts(3, seed=6))
-        await gen.start.call_one(src)
+        await gen.start_generation.call_one(src)
         await finish_stage(gen, s0["groups"] + 5)
         rollouts, released, _ = await src.drain.call_one()
         with pytest.raises(Exception, match="bad_sampling_params"):
@@ -282,3 +282,34 @@ def test_bad_requests_fail_alone_and_are_counted(env):
     assert len(released) == 2
     assert len(rollouts) == 3 * GROUP
     assert len(texts) == 2 and all(isinstance(t, str) and len(t) <= 8 for t in texts)
+
+
+def test_feeds_the_real_replay_buffer(env):
+    """The production wiring: admit(wait_s) / add / release against ReplayBufferActor, then a Batch."""
+    from actors.replay_buffer import ReplayBufferActor
+    from pipeline.config import BufferConfig
+    from pipeline.model import PAD_ID
+
+    loop, gen, src, model = env
+    cfg = make_cfg()
+    cfg.buffer = BufferConfig(group_size=GROUP, batch_groups=2, max_staleness=0, overcommit="none")
+
+    async def go():
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            buf = procs.spawn("buf", ReplayBufferActor, cfg, PAD_ID)
+            version = await gen.version.call_one()
+            await buf.set_version.call_one(version)
+            await gen.start_generation.call_one(buf)
+            batch = await buf.get_batch.call_one(version, 120.0)
+            await gen.end_stage.call_one("keep")
+            await wait_until(lambda: _idle(gen), 120, "in-flight requests to finish")
+            return version, batch, await gen.stats.call_one()
+        finally:
+            await procs.stop()
+
+    version, batch, stats = loop.run_until_complete(go())
+    assert batch.num_samples == 2 * GROUP and stats["error"] is None
+    mask = batch.loss_mask.bool()
+    assert (batch.versions[mask] == version).all() and (batch.behaviour_logprobs[mask] < 0).all()
+    assert int(mask.sum()) == batch.num_samples * MAX_NEW

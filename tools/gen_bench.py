@@ -132,7 +132,7 @@ async def run_actor(cfg, items: list[PromptItem], group: int, rounds: int) -> tu
         for r in range(rounds):
             await src.feed.call_one(items)
             t0 = time.monotonic()
-            await gen.start.call_one(src)
+            await gen.start_generation.call_one(src)
             deadline = t0 + 600
             while (p := await src.progress.call_one())[0] < len(items) * group:
                 if time.monotonic() > deadline:
