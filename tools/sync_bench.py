@@ -281,8 +281,8 @@ def report(results: list[dict], baselines: dict, out: Path) -> str:
                      f"{rd(r['speedup_vs_per_tensor'])} |")
     lines.append("")
     for m in baselines:  # the targets, best bucket size per transport
-        best = {t: max((r for r in results if r["model"] == m and r["transport"] == t), key=lambda r: r["gbps"],
-                       default=None) for t in ("shm", "rdma")}
+        best = {t: max((r for r in results if r["model"] == m and r["transport"] == t), key=lambda r: r[key],
+                       default=None) for t, key in (("shm", "x_memcpy_bw"), ("rdma", "gbps"))}
         if best["shm"]:
             lines.append(f"- {m}: shm at {best['shm']['x_memcpy_bw']:.0%} of memcpy bandwidth "
                          f"(target >= 50%, bucket {best['shm']['bucket_mb']} MiB)")

@@ -38,11 +38,8 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
 
     async def run() -> None:
         await engine.start_weight_update()
-        try:
-            await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-        except BaseException:
-            # The worker already closed the update session; finalize is not safe on a partial load.
-            raise
+        # On failure the worker closes the session itself; finish is never called on a partial load.
+        await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
         await engine.finish_weight_update(weight_version=str(version))
 
     try:
