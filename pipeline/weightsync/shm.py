@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
+import weakref
 
 import torch
 
@@ -56,6 +57,8 @@ class Segment:
         self.data = buf[HEADER_BYTES:HEADER_BYTES + size]
         if create:
             self.header.copy_(torch.tensor([MAGIC, EMPTY, 0, size, 0, 0, 0, 0]))
+            # Unlink at GC / interpreter exit too if close() is never called (a killed proc still leaks).
+            self._finalizer = weakref.finalize(self, _unlink, path)
 
     def close(self) -> None:
         self.header = self.data = None  # drop views before the map
@@ -64,10 +67,14 @@ class Segment:
         except BufferError:
             pass  # a caller still holds a view; the map goes when it does
         if self.owner:
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
+            self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def begin_write(header: torch.Tensor) -> None:
