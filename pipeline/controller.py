@@ -101,12 +101,15 @@ class Pipeline:
         self.tokenizer = load_tokenizer(self.hf_dir)
 
         t0 = time.monotonic()
+        log.info("starting trainer mesh (%d ranks)", cfg.trainer.num_ranks)
         trainer_procs = self._spawn(host, cfg.trainer.num_ranks)
         self.trainer = trainer_procs.spawn("trainer", TrainerActor, cfg, "127.0.0.1", free_port())
         await timed("trainer setup", self.trainer.setup.call(), cfg.generator.start_timeout_s)
         if cfg.run.warm_start_steps:
             await self.warm_start(cfg.run.warm_start_steps)
 
+        log.info("starting replay buffer and %d generator(s); vLLM engines take a while to start",
+                 cfg.generator.num_generators)
         buffer_procs = self._spawn(host, 1)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
         gen_cfg = cfg if not cfg.run.warm_start_steps else dataclasses.replace(
@@ -314,11 +317,12 @@ async def run(cfg: Config, host: Any = None) -> dict:
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sink = MetricsSink(out)
-    progress = Progress(cfg.run.steps, cfg.run.progress, desc=f"rl[{cfg.run.mode}]")
+    progress = None
     pipe = Pipeline(cfg, host)
     try:
         await pipe.start()
         await pipe.start_generation()
+        progress = Progress(cfg.run.steps, cfg.run.progress, desc=f"rl[{cfg.run.mode}]")
         loops = {asyncio.create_task(_train_loop(pipe, sink, progress), name="train"),
                  asyncio.create_task(_health_loop(pipe), name="health")}
         done, pending = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
@@ -336,7 +340,8 @@ async def run(cfg: Config, host: Any = None) -> dict:
         summary["stats"] = await pipe.stats()
         return summary
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
         sink.close()
         await pipe.shutdown()
         if sink.path.exists() and sink.path.stat().st_size:

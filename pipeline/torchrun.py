@@ -18,6 +18,8 @@ from pipeline.config import Config
 log = logging.getLogger(__name__)
 
 DONE_KEY = "pipeline/run/exit_code"
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
 
 def _store():
@@ -36,7 +38,14 @@ def run_under_torchrun(cfg: Config) -> int:
 
     rank = int(os.environ["RANK"])
     store = _store()
-    job = StoreJob.from_store(store, name="pipeline_worker")
+    topology = {k: int(os.environ[v]) for k, v in (("rank", "RANK"), ("local_rank", "LOCAL_RANK"),
+                ("world_size", "WORLD_SIZE"), ("local_world_size", "LOCAL_WORLD_SIZE"))}
+    # The Monarch worker (and every proc it spawns) inherits this environment. torchrun's variables
+    # would hijack the job's own process groups (TORCHELASTIC_USE_AGENT_STORE makes rank 0 of the
+    # trainer's rendezvous wait for an agent store that is not there), so they stop here.
+    for k in [k for k in os.environ if k.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))] + list(_LAUNCHER_ENV):
+        os.environ.pop(k, None)
+    job = StoreJob.from_store(store, name="pipeline_worker", **topology)
     if job is None:
         log.info("rank %d: joined the Monarch job; rank 0 drives it", rank)
         return int(store.get(DONE_KEY).decode())

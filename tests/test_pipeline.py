@@ -1,0 +1,139 @@
+"""The whole job through every real component: Monarch meshes, vLLM engine, torchtitan trainer,
+replay buffer, weight sync; launched the three ways people use it (CLI, torchrun, session)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+SMALL = ["run.steps=3", "run.eval_every=0", "run.progress=false", "buffer.batch_groups=2", "buffer.group_size=2",
+         "generator.concurrency=4", "generator.max_new_tokens=6", "buffer.max_staleness=1"]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _check_run_outputs(out: Path, steps: int, max_staleness: int) -> None:
+    rows = [r for r in _metrics(out) if "version/trainer" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["version/trainer"] for r in rows] == list(range(1, steps + 1))
+    # the generator's served version advances with the trainer's (a push overlaps the next step)
+    gen = [r["version/generator"] for r in rows]
+    assert gen == sorted(gen) and gen[-1] >= steps - 1, gen
+    assert max(r["staleness/max"] for r in rows) <= max_staleness
+    assert (out / "summary.png").stat().st_size > 0
+    assert list((out / "tensorboard").glob("events.*"))
+    assert (out / "hf_checkpoint" / "model.safetensors").is_file()
+
+
+def test_end_to_end_run_advances_versions_within_staleness_bound(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL,
+                        f"run.out_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "== done: 3 steps" in p.stdout
+    _check_run_outputs(out, steps=3, max_staleness=1)
+
+
+def test_torchrun_two_ranks_run_the_same_job(tmp_path):
+    out = tmp_path / "torchrun"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "pipeline.run",
+                        "--config", "configs/tiny.yaml", *SMALL, "run.steps=2", f"run.out_dir={out}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert p.stdout.count("== done: 2 steps") == 1  # rank 0 drove; rank 1 only joined
+    _check_run_outputs(out, steps=2, max_staleness=1)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigint_mid_run_leaves_no_process_behind(tmp_path):
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL,
+                             "run.steps=1000", f"run.out_dir={out}"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        seen: set[int] = set()
+        while time.monotonic() < deadline:  # wait until training is under way (mid-run)
+            seen |= _descendants(proc.pid)
+            mj = out / "metrics.jsonl"
+            if mj.exists() and any('"version/trainer"' in line for line in mj.read_text().splitlines()):
+                break
+            assert proc.poll() is None, "run exited before it was interrupted"
+            time.sleep(1)
+        else:
+            pytest.fail("run did not reach its first step in 300s")
+        seen |= _descendants(proc.pid)
+        assert len(seen) >= 3, seen  # trainer, buffer, generator procs (and the engine core)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=180) in (130, 1, -signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in seen):
+            time.sleep(0.5)
+        left = [p for p in seen if _alive(p)]
+        assert not left, f"processes left behind: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _descendants(proc.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_session_steps_the_pipeline_by_hand(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.session import Session
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [*SMALL, f"run.out_dir={tmp_path / 'session'}"])
+    s = Session.start(cfg)
+    try:
+        assert s.versions() == {"trainer": 0, "generator0": 0}
+        metrics = s.train_step()
+        assert metrics["version/trainer"] == 1 and metrics["batch/tokens"] > 0
+        assert s.sync() > 0
+        assert s.versions() == {"trainer": 1, "generator0": 1}
+        stats = s.buffer_stats()
+        assert stats["trained_groups"] == cfg.buffer.batch_groups
+        assert s.call("trainer", "version") == 1
+        with pytest.raises(ValueError, match="no endpoint"):
+            s.call("buffer", "no_such_endpoint")
+    finally:
+        s.stop()
