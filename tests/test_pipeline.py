@@ -131,7 +131,8 @@ def test_session_steps_the_pipeline_by_hand(tmp_path):
         assert s.sync() > 0
         assert s.versions() == {"trainer": 1, "generator0": 1}
         stats = s.buffer_stats()
-        assert stats["trained_groups"] == cfg.buffer.batch_groups
+        assert stats["trained_samples"] == cfg.buffer.batch_groups * cfg.buffer.group_size
+        assert stats["admitted_samples"] == stats["trained_samples"] + stats["dropped_samples"] + stats["held_samples"]
         assert s.call("trainer", "version") == 1
         with pytest.raises(ValueError, match="no endpoint"):
             s.call("buffer", "no_such_endpoint")
