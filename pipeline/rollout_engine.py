@@ -228,7 +228,8 @@ class RolloutEngine:
                                    f"{self.g.request_timeout_s:.0f}s") from None
             if self._saving:
                 return "saved"
-            room = min(self.g.max_new_tokens - len(traj.tokens), self.g.max_model_len - len(traj.context()))
+            budget = min(traj.group.item.max_new_tokens or self.g.max_new_tokens, self.g.max_new_tokens)
+            room = min(budget - len(traj.tokens), self.g.max_model_len - len(traj.context()))
             if traj.tokens and room < 1:
                 return "length"  # a resumed partial that already fills its budget
             rid = f"gen{self.gid}-{traj.key}-{next(self._seq)}"

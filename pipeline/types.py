@@ -26,6 +26,7 @@ class PromptItem:
     uid: int
     prompt: str
     answer: str = ""
+    max_new_tokens: int = 0  # per-prompt generation budget; 0 = generator.max_new_tokens (which also caps it)
 
 
 @dataclass(frozen=True)
