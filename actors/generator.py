@@ -126,8 +126,9 @@ class GeneratorActor(Actor):
         return self.core.snapshot()
 
     @endpoint
-    async def generate_eval(self, prompts: list[str], max_new_tokens: int) -> list[str]:
-        return await self.core.generate_eval(prompts, max_new_tokens)
+    async def generate_eval(self, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+                            seed: int = 0) -> list[str]:
+        return await self.core.generate_eval(prompts, max_new_tokens, temperature, seed)
 
     @endpoint
     async def shutdown(self) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from pipeline.config import Config
-from pipeline.metrics import MetricsSink, NullSink, Progress, plot_summary
+from pipeline.metrics import MetricsSink, Progress, plot_summary
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer, model_dir
 from pipeline.tasks import load_task, take
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 SPAWN_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 600.0
 HEALTH_PERIOD_S = 2.0
+EVAL_SAMPLES = 4
 
 
 class RunError(RuntimeError):
@@ -235,12 +236,18 @@ class Pipeline:
             task, self._push_task = self._push_task, None
             await task
 
-    async def evaluate(self) -> float:
-        """Greedy completions of held-out prompts on generator 0, scored by the task's reward."""
+    async def evaluate(self) -> dict[str, float]:
+        """Held-out prompts on generator 0, scored by the task's reward: `eval/reward` samples
+        EVAL_SAMPLES completions per prompt at the training temperature (the policy's expected reward,
+        what RL optimises); `eval/reward_greedy` is the greedy completion's reward."""
         items = take(self.task, self.cfg.task.seed, "eval", self.cfg.task.eval_prompts)
-        outs = await timed("generate_eval", self.generators[0].generate_eval.call_one(
-            [i.prompt for i in items], self.cfg.generator.max_new_tokens))
-        return sum(self.task.reward(i.prompt, o) for i, o in zip(items, outs)) / max(len(items), 1)
+        prompts = [i.prompt for i in items]
+        gen, n = self.generators[0], self.cfg.generator.max_new_tokens
+        greedy = await timed("generate_eval", gen.generate_eval.call_one(prompts, n))
+        sampled = await timed("generate_eval", gen.generate_eval.call_one(
+            prompts * EVAL_SAMPLES, n, self.cfg.generator.temperature, self.cfg.task.seed))
+        score = lambda outs: sum(self.task.reward(p, o) for p, o in zip(prompts * EVAL_SAMPLES, outs)) / max(len(outs), 1)
+        return {"eval/reward": score(sampled), "eval/reward_greedy": score(greedy)}
 
     async def stats(self) -> dict:
         out = {"buffer": await timed("buffer.stats", self.buffer.stats.call_one(), 60)}
@@ -277,10 +284,11 @@ async def _health_loop(pipe: Pipeline) -> None:
 async def _train_loop(pipe: Pipeline, sink, progress: Progress) -> dict:
     cfg = pipe.cfg
     summary: dict[str, Any] = {}
-    eval_curve: list[tuple[int, float]] = []
+    eval_curve: list[tuple[int, float, float]] = []
     if cfg.run.eval_every and cfg.task.eval_prompts:
-        eval_curve.append((0, await pipe.evaluate()))
-        sink.log(0, {"eval/reward": eval_curve[-1][1]})
+        ev = await pipe.evaluate()
+        eval_curve.append((0, ev["eval/reward"], ev["eval/reward_greedy"]))
+        sink.log(0, ev)
     t_start = time.monotonic()
     samples = 0
     for step in range(1, cfg.run.steps + 1):
@@ -302,8 +310,9 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress) -> dict:
         })
         if cfg.run.eval_every and cfg.task.eval_prompts and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
             await pipe.wait_push()
-            eval_curve.append((step, await pipe.evaluate()))
-            metrics["eval/reward"] = eval_curve[-1][1]
+            ev = await pipe.evaluate()
+            eval_curve.append((step, ev["eval/reward"], ev["eval/reward_greedy"]))
+            metrics.update(ev)
         sink.log(step, metrics)
         progress.update(metrics)
     await pipe.wait_push()
@@ -352,8 +361,12 @@ def print_summary(cfg: Config, summary: dict) -> None:
     curve = summary.get("eval_curve") or []
     print(f"\n== done: {summary['steps']} steps in {summary['elapsed_s']:.1f}s "
           f"({summary['samples_per_s']:.2f} samples/s), trainer version {summary['version']}")
+    if cfg.run.warm_start_steps:
+        print(f"   warm start: {cfg.run.warm_start_steps} supervised steps on task demonstrations before RL "
+              f"(held-out rewards below are measured after it)")
     if curve:
-        print(f"   held-out reward: {curve[0][1]:.3f} (step {curve[0][0]}) -> {curve[-1][1]:.3f} (step {curve[-1][0]})")
+        print(f"   held-out reward (sampled): {curve[0][1]:.3f} (step {curve[0][0]}) -> {curve[-1][1]:.3f} "
+              f"(step {curve[-1][0]}); greedy: {curve[0][2]:.3f} -> {curve[-1][2]:.3f}")
     print(f"   metrics: {cfg.run.out_dir}/metrics.jsonl, tensorboard: {cfg.run.out_dir}/tensorboard, "
           f"plot: {cfg.run.out_dir}/summary.png")
     print(f"   HF checkpoint: {summary.get('checkpoint')}")

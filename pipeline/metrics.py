@@ -78,12 +78,22 @@ class Progress:
         self._bar.close()
 
 
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    """Rows of one shape as CSV (the benchmarks' tabular output)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 SUMMARY_PANELS = [
-    ("reward", ["reward/mean", "eval/reward"]),
+    ("reward", ["reward/mean", "eval/reward", "eval/reward_greedy"]),
     ("staleness", ["staleness/mean", "staleness/max"]),
     ("over-commitment Δ", ["buffer/delta"]),
     ("weight sync latency (s)", ["sync/latency_s"]),

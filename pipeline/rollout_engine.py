@@ -355,17 +355,20 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- eval and stats
 
-    async def generate_eval(self, prompts: list[str], max_new_tokens: int) -> list[str]:
-        """Greedy completions; a bad request raises RequestError naming it after the others finish."""
+    async def generate_eval(self, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+                            seed: int = 0) -> list[str]:
+        """Completions for evaluation: greedy by default, else sampled at `temperature` with per-prompt
+        seeds `seed + i` (reproducible for fixed weights); a bad request raises RequestError naming it
+        after the others finish."""
         from vllm import SamplingParams
 
         self.check()
 
         async def one(i: int, prompt: str) -> str:
             ids = self.tok.encode(prompt, add_special_tokens=False)
-            check_request(len(ids), max_new_tokens, 0.0, 1.0, self.g.max_model_len)
+            check_request(len(ids), max_new_tokens, temperature, 1.0, self.g.max_model_len)
             room = min(max_new_tokens, self.g.max_model_len - len(ids))
-            sp = SamplingParams(max_tokens=room, temperature=0.0)
+            sp = SamplingParams(max_tokens=room, temperature=temperature, seed=seed + i if temperature > 0 else None)
             final = None
             async with asyncio.timeout(self.g.request_timeout_s):
                 async for out in self.engine.generate({"prompt_token_ids": ids}, sp,

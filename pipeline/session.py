@@ -64,7 +64,7 @@ class Session:
         """Push the trainer's weights to every generator; returns the end-to-end seconds."""
         return self._run(self.pipe.push_weights(), timeout=None)
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
         return self._run(self.pipe.evaluate())
 
     # ------------------------------------------------------------------ inspection

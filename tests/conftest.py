@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -17,3 +18,11 @@ def tiny_dir() -> Path:
     from pipeline.model import ensure_tiny_assets
 
     return ensure_tiny_assets(ModelConfig(cache_dir=str(REPO / ".cache" / "tiny-model")))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per test module, for modules that drive Monarch meshes from sync tests."""
+    lp = asyncio.new_event_loop()
+    yield lp
+    lp.close()

@@ -29,13 +29,6 @@ def gather(loop, *coros):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
 def batch():
     model, _ = build_model(model_dir(ModelConfig()))
     return make_batch(model, n=6, mu_noise=0.2, seed=3)

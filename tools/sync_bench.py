@@ -16,7 +16,6 @@ RDMA read per tensor. Writes table.md, results.csv, results.json and latency.png
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ from monarch.actor import Actor, endpoint, this_host
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import ModelConfig, WeightSyncConfig  # noqa: E402
+from pipeline.metrics import write_csv  # noqa: E402
 from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs  # noqa: E402
 
 SHAPES = {  # Qwen3-like (dim, layers, ffn, vocab, kv_dim)
@@ -293,10 +293,7 @@ def report(results: list[dict], baselines: dict, out: Path) -> str:
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     (out / "results.json").write_text(json.dumps({"results": results, "baselines": baselines}, indent=1))
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(results[0]))
-        w.writeheader()
-        w.writerows(results)
+    write_csv(out / "results.csv", results)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import sys
 import time
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.trainer import Trainer  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
+from pipeline.metrics import write_csv  # noqa: E402
 from pipeline.model import model_dir, read_hf_config  # noqa: E402
 from pipeline.types import Batch  # noqa: E402
 
@@ -99,10 +99,7 @@ def main() -> None:
     shape = {"samples": args.samples, "seq_len": args.seq_len, "prompt_len": args.prompt_len,
              "micro_batch": args.micro_batch, "model": str(model_dir(cfg.model))}
     (out / "results.json").write_text(json.dumps({"shape": shape, "results": rows}, indent=2))
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "results.csv", rows)
 
     import matplotlib
 
