@@ -97,9 +97,10 @@ class GeneratorConfig:
     max_new_tokens: int = 16
     """Completion length cap (1..32768)."""
     temperature: float = 1.0
-    """Sampling temperature (0 < t <= 10)."""
+    """Sampling temperature (0 < t <= 10); the trainer scores softmax(logits / temperature) to match."""
     top_p: float = 1.0
-    """Nucleus sampling mass (0 < p <= 1)."""
+    """Nucleus sampling mass (0 < p <= 1). Below 1 the sampler's logprobs are of the truncated
+    distribution and the learner's are not: the off-policy correction (trainer.correction) absorbs it."""
     kv_cache_gib: int = 1
     """vLLM CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE), 1..1024."""
     gpu_memory_utilization: float = 0.5

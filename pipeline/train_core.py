@@ -92,8 +92,9 @@ class TrainCore:
         for chunk in torch.tensor_split(rows, k) if len(rows) else [rows] * k:
             yield (chunk, 1.0) if len(chunk) else (torch.zeros(1, dtype=torch.long), 0.0)
 
-    def _logprobs(self, model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(ids)[:, :-1].float()
+    def _logprobs(self, model: torch.nn.Module, ids: torch.Tensor,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(ids)[:, :-1].float() / temperature
         return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1), logits
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -109,12 +110,14 @@ class TrainCore:
             ids = batch.input_ids[rows].to(self.device)
             mask = mask_all[rows].to(self.device) * keep
             mu = batch.behaviour_logprobs[rows, 1:].to(self.device).float()
-            logp, logits = self._logprobs(self.model, ids)
+            # The sampler's logprobs are of the temperature-scaled distribution it sampled from
+            # (generator.logprobs_mode=processed), so the learner scores the same distribution.
+            logp, logits = self._logprobs(self.model, ids, self.cfg.generator.temperature)
             old = logp.detach()  # one epoch per batch: π_old is the pre-step policy, numerically π_θ
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref = self._logprobs(self.ref_model, ids)[0]
+                    ref = self._logprobs(self.ref_model, ids, self.cfg.generator.temperature)[0]
             loss, stats = losses.policy_loss(logp, old, mu, mask, batch.advantages[rows].to(self.device),
                                              self.tcfg, ref=ref, denominators=denominators)
             (loss * self.world).backward()

@@ -181,3 +181,21 @@ def test_micro_batches_accumulate_to_the_full_batch_step(cfg):
     wf, wm = weights(full), weights(micro)
     for k in wf:
         torch.testing.assert_close(wm[k], wf[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_learner_scores_the_temperature_scaled_distribution_the_sampler_used():
+    """At generator.temperature=T the sampler reports logprobs of softmax(logits/T); the learner must
+    score the same distribution, so on-policy data shows no mismatch (IS ESS 1, zero k1 KL)."""
+    from pipeline.config import GeneratorConfig
+
+    cfg = Config(model=ModelConfig(), trainer=TrainerConfig(lr=1e-3), generator=GeneratorConfig(temperature=0.5))
+    core = TrainCore(cfg)
+    b = make_batch(core.model)
+    with torch.no_grad():
+        lp = torch.log_softmax(core.model(b.input_ids)[:, :-1].float() / 0.5, -1)
+        lp = lp.gather(2, b.input_ids[:, 1:, None]).squeeze(-1)
+    beh = torch.zeros_like(b.behaviour_logprobs)
+    beh[:, 1:] = lp * b.loss_mask[:, 1:]
+    m = core.train_step(replace(b, behaviour_logprobs=beh))
+    assert m["is_ess"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(m["kl_sampler_learner"]) < 1e-5 and m["mismatch_resp_max"] < 1e-5
