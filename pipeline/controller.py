@@ -300,13 +300,13 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress) -> dict:
         samples += int(metrics.get("batch/samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
         elapsed = time.monotonic() - t_start
         buf = await timed("buffer.stats", pipe.buffer.stats.call_one(), 60)
-        gen = await timed("generator0.stats", pipe.generators[0].stats.call_one(), 60)
+        gens = await timed("generator stats", asyncio.gather(*[g.stats.call_one() for g in pipe.generators]), 60)
+        served = min(g["version"] for g in gens)  # the oldest weights any generator serves
         metrics.update({
             "throughput/samples_per_s": samples / elapsed,
-            "throughput/gen_tokens_per_s": float(gen.get("tokens_per_s", float("nan"))),
-            "sync/latency_s": pipe.last_sync_s, "buffer/delta": float(buf.get("delta", float("nan"))),
-            "version/generator": float(gen.get("version", float("nan"))),
-            "version/lag": pipe.version - float(gen.get("version", float("nan"))),
+            "throughput/gen_tokens_per_s": sum(g["tokens_per_s"] for g in gens),
+            "sync/latency_s": pipe.last_sync_s, "buffer/delta": float(buf["delta"]),
+            "version/generator": served, "version/lag": pipe.version - served,
         })
         if cfg.run.eval_every and cfg.task.eval_prompts and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
             await pipe.wait_push()

@@ -45,11 +45,14 @@ def test_end_to_end_run_advances_versions_within_staleness_bound(tmp_path):
     _check_run_outputs(out, steps=3, max_staleness=1)
 
 
-def test_torchrun_two_ranks_run_the_same_job(tmp_path):
+def test_torchrun_two_ranks_run_the_same_job_with_two_generators(tmp_path):
+    """torchrun K=2 (rank 0 drives one Monarch job), with two generators updated one at a time:
+    `version/generator` is the oldest version any generator serves."""
     out = tmp_path / "torchrun"
     torchrun = Path(sys.executable).with_name("torchrun")
     p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "pipeline.run",
-                        "--config", "configs/tiny.yaml", *SMALL, "run.steps=2", f"run.out_dir={out}"],
+                        "--config", "configs/tiny.yaml", *SMALL, "run.steps=2", f"run.out_dir={out}",
+                        "generator.num_generators=2", "generator.rolling=true"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert p.stdout.count("== done: 2 steps") == 1  # rank 0 drove; rank 1 only joined
