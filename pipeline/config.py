@@ -302,12 +302,20 @@ class RunConfig:
     """Score held-out prompts every this many steps (0 disables)."""
     progress: bool = True
     """Show a progress bar."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint (trainer model + optimizer + version, buffer counters, prompt
+    position) under out_dir/checkpoints/step_N every this many steps; 0 saves none."""
+    resume: str = ""
+    """A checkpoint directory written by checkpoint_every to continue from (its step + 1 up to run.steps)."""
 
     def __post_init__(self) -> None:
         _choice("run.mode", self.mode, ("async", "sync"))
         _check(0 <= self.steps <= 10_000_000, "run.steps", self.steps, "0..10000000")
         _check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
+        _check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, ">= 0")
+        _check(not self.resume or (Path(self.resume) / "controller_state.pt").is_file(), "run.resume",
+               self.resume, "a checkpoint directory containing controller_state.pt (run.checkpoint_every writes them)")
 
 
 @dataclass

@@ -106,14 +106,14 @@ class Pipeline:
         trainer_procs = self._spawn(host, cfg.trainer.num_ranks)
         self.trainer = trainer_procs.spawn("trainer", TrainerActor, cfg, "127.0.0.1", free_port())
         await timed("trainer setup", self.trainer.setup.call(), cfg.generator.start_timeout_s)
-        if cfg.run.warm_start_steps:
+        if cfg.run.warm_start_steps and not cfg.run.resume:
             await self.warm_start(cfg.run.warm_start_steps)
 
         log.info("starting replay buffer and %d generator(s); vLLM engines take a while to start",
                  cfg.generator.num_generators)
         buffer_procs = self._spawn(host, 1)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
-        gen_cfg = cfg if not cfg.run.warm_start_steps else dataclasses.replace(
+        gen_cfg = cfg if not hasattr(self, "warm_dir") else dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, hf_dir=str(self.warm_dir)))
         self.generators = []
         for i in range(cfg.generator.num_generators):
@@ -236,6 +236,28 @@ class Pipeline:
             task, self._push_task = self._push_task, None
             await task
 
+    async def save_checkpoint(self, step: int) -> Path:
+        """Trainer state (DCP) plus the buffer's counters and prompt position, after the last push landed."""
+        await self.wait_push()
+        path = Path(self.cfg.run.out_dir) / "checkpoints" / f"step_{step}"
+        await timed("trainer.save", self.trainer.save.call(str(path), {"step": step}))
+        buf = await timed("buffer.state_dict", self.buffer.state_dict.call_one())
+        torch.save({"step": step, "version": self.version, "buffer": buf}, path / "controller_state.pt")
+        return path
+
+    async def resume(self, path: str) -> int:
+        """Restore a checkpoint before generation starts; generators get its weights as its version."""
+        state = torch.load(Path(path) / "controller_state.pt", weights_only=False)
+        await timed("trainer.load", self.trainer.load.call(path))
+        self.version = _rank0(await timed("trainer.version", self.trainer.version.call()))
+        if self.version != state["version"]:
+            raise RunError(f"checkpoint {path}: trainer version {self.version} != saved {state['version']}")
+        await timed("buffer.load_state_dict", self.buffer.load_state_dict.call_one(state["buffer"]))
+        if self.version:
+            await self.push_weights()
+        log.info("resumed from %s at step %d (version %d)", path, state["step"], self.version)
+        return int(state["step"])
+
     async def evaluate(self) -> dict[str, float]:
         """Held-out prompts on generator 0, scored by the task's reward: `eval/reward` samples
         EVAL_SAMPLES completions per prompt at the training temperature (the policy's expected reward,
@@ -281,17 +303,17 @@ async def _health_loop(pipe: Pipeline) -> None:
                 raise RunError(f"generator{i} failed: {st['error']}")
 
 
-async def _train_loop(pipe: Pipeline, sink, progress: Progress) -> dict:
+async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int = 1) -> dict:
     cfg = pipe.cfg
     summary: dict[str, Any] = {}
     eval_curve: list[tuple[int, float, float]] = []
     if cfg.run.eval_every and cfg.task.eval_prompts:
         ev = await pipe.evaluate()
-        eval_curve.append((0, ev["eval/reward"], ev["eval/reward_greedy"]))
-        sink.log(0, ev)
+        eval_curve.append((first_step - 1, ev["eval/reward"], ev["eval/reward_greedy"]))
+        sink.log(first_step - 1, ev)
     t_start = time.monotonic()
     samples = 0
-    for step in range(1, cfg.run.steps + 1):
+    for step in range(first_step, cfg.run.steps + 1):
         metrics = await pipe.train_once()
         if cfg.run.mode == "sync":
             await pipe.push_weights()
@@ -313,10 +335,12 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress) -> dict:
             ev = await pipe.evaluate()
             eval_curve.append((step, ev["eval/reward"], ev["eval/reward_greedy"]))
             metrics.update(ev)
+        if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0:
+            metrics["checkpoint"] = str(await pipe.save_checkpoint(step))
         sink.log(step, metrics)
         progress.update(metrics)
     await pipe.wait_push()
-    summary.update({"steps": cfg.run.steps, "version": pipe.version, "elapsed_s": time.monotonic() - t_start,
+    summary.update({"steps": cfg.run.steps - first_step + 1, "version": pipe.version, "elapsed_s": time.monotonic() - t_start,
                     "samples_per_s": samples / max(time.monotonic() - t_start, 1e-9), "eval_curve": eval_curve})
     return summary
 
@@ -330,9 +354,10 @@ async def run(cfg: Config, host: Any = None) -> dict:
     pipe = Pipeline(cfg, host)
     try:
         await pipe.start()
+        first_step = (await pipe.resume(cfg.run.resume)) + 1 if cfg.run.resume else 1
         await pipe.start_generation()
-        progress = Progress(cfg.run.steps, cfg.run.progress, desc=f"rl[{cfg.run.mode}]")
-        loops = {asyncio.create_task(_train_loop(pipe, sink, progress), name="train"),
+        progress = Progress(cfg.run.steps - first_step + 1, cfg.run.progress, desc=f"rl[{cfg.run.mode}]")
+        loops = {asyncio.create_task(_train_loop(pipe, sink, progress, first_step), name="train"),
                  asyncio.create_task(_health_loop(pipe), name="health")}
         done, pending = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
         for t in pending:

@@ -141,3 +141,29 @@ def test_session_steps_the_pipeline_by_hand(tmp_path):
             s.call("buffer", "no_such_endpoint")
     finally:
         s.stop()
+
+
+def test_checkpoint_then_resume_continues_versions_and_prompt_position(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    base = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL, "run.warm_start_steps=0"]
+    p = subprocess.run([*base, "run.steps=2", "run.checkpoint_every=2", f"run.out_dir={first}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ckpt = first / "checkpoints" / "step_2"
+    assert (ckpt / "controller_state.pt").is_file()
+    p = subprocess.run([*base, "run.steps=4", f"run.resume={ckpt}", f"run.out_dir={second}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [r for r in _metrics(second) if "version/trainer" in r]
+    assert [(r["step"], r["version/trainer"]) for r in rows] == [(3, 3), (4, 4)]
+    assert rows[-1]["version/generator"] >= 3  # generators were given the checkpoint's weights
+    import torch
+
+    state = torch.load(ckpt / "controller_state.pt", weights_only=False)
+    assert state["version"] == 2 and state["buffer"]["buffer"]["batches"] == 2
+
+
+def test_resume_from_a_missing_checkpoint_is_a_config_error(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
+                        f"run.resume={tmp_path / 'nothing'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "run.resume" in p.stderr
