@@ -191,7 +191,7 @@ class TrainerConfig:
     backend: str = "gloo"
     """torch.distributed backend: gloo (CPU) | nccl (GPU)."""
     tensor_parallel: int = 1
-    """torchtitan tensor-parallel degree (GPU only; 1 on CPU)."""
+    """torchtitan tensor-parallel degree; only 1 is supported in this build (FSDP2 over num_ranks)."""
     lr: float = 3e-4
     """AdamW learning rate (0 < lr <= 1)."""
     warmup_steps: int = 0
@@ -231,9 +231,8 @@ class TrainerConfig:
         _choice("trainer.backend", self.backend, ("gloo", "nccl"))
         _check(not (self.device == "cpu" and self.backend == "nccl"), "trainer.backend", self.backend,
                "'gloo' when trainer.device='cpu'")
-        _check(self.tensor_parallel >= 1, "trainer.tensor_parallel", self.tensor_parallel, ">= 1")
-        _check(self.device == "cuda" or self.tensor_parallel == 1, "trainer.tensor_parallel",
-               self.tensor_parallel, "1 on cpu")
+        _check(self.tensor_parallel == 1, "trainer.tensor_parallel", self.tensor_parallel,
+               "1 (tensor parallelism is not wired in this build; FSDP2 shards over trainer.num_ranks)")
         _check(0 < self.lr <= 1, "trainer.lr", self.lr, "0 < lr <= 1")
         _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, ">= 0")
         _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")

@@ -67,8 +67,6 @@ class TrainCore:
 
     def _build(self, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
         model, adapter = build_model(self.hf_dir, self.device, dtype)
-        if self.tcfg.tensor_parallel > 1:
-            raise NotImplementedError("trainer.tensor_parallel > 1 is not wired in this build; use 1")
         if self.mesh is not None:
             from torch.distributed.fsdp import fully_shard
 

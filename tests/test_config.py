@@ -28,6 +28,7 @@ def test_cli_override_wins_over_yaml():
         ("trainer.correction=magic", "trainer.correction"),
         ("weight_sync.transport=pigeon", "weight_sync.transport"),
         ("trainer.backend=nccl", "trainer.backend"),
+        ("trainer.tensor_parallel=2", "trainer.tensor_parallel"),
     ],
 )
 def test_bad_config_names_the_key(override, must_name):
