@@ -127,44 +127,45 @@ class Trainer:
         mesh = procs.spawn(name, TrainerActor, cfg, "127.0.0.1", free_port())
         self = cls(cfg, procs, mesh)
         try:
-            await self._all("setup", timeout=cfg.trainer.init_timeout_s)
+            await self.call_all("setup", timeout=cfg.trainer.init_timeout_s)
         except BaseException:
             await procs.stop()
             raise
         return self
 
-    async def _all(self, ep: str, *args, timeout: float | None = None):
+    async def call_all(self, ep: str, *args, timeout: float | None = None):
+        """Call endpoint `ep` on every rank (they are collectives); rank 0's answer."""
         t = timeout or self.cfg.trainer.step_timeout_s
         try:
             vm = await asyncio.wait_for(getattr(self.mesh, ep).call(*args), t)
         except asyncio.TimeoutError:
             raise TimeoutError(f"trainer.{ep}: no answer from {self.cfg.trainer.num_ranks} rank(s) "
                                f"within {t:.0f}s") from None
-        return vm.item(procs=0)
+        return next(iter(vm.items()))[1]  # rank 0, whatever the mesh's dims (an attached host mesh adds 'hosts')
 
     async def train_step(self, batch: Batch) -> dict[str, float]:
-        return await self._all("train_step", batch)
+        return await self.call_all("train_step", batch)
 
     async def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
-        return await self._all("sft_step", input_ids, loss_mask)
+        return await self.call_all("sft_step", input_ids, loss_mask)
 
     async def version(self) -> int:
-        return await self._all("version")
+        return await self.call_all("version")
 
     async def save(self, path: str, data_state: dict | None = None) -> str:
-        return await self._all("save", str(path), data_state)
+        return await self.call_all("save", str(path), data_state)
 
     async def load(self, path: str) -> dict:
-        return await self._all("load", str(path))
+        return await self.call_all("load", str(path))
 
     async def export_hf(self, path: str) -> str:
-        return await self._all("export_hf", str(path))
+        return await self.call_all("export_hf", str(path))
 
     async def sync_handle(self, num_receivers: int):
-        return await self._all("sync_handle", num_receivers)
+        return await self.call_all("sync_handle", num_receivers)
 
     async def push_weights(self) -> WeightVersion:
-        return await self._all("push_weights", timeout=self.cfg.weight_sync.timeout_s)
+        return await self.call_all("push_weights", timeout=self.cfg.weight_sync.timeout_s)
 
     async def close(self) -> None:
         await self.procs.stop()

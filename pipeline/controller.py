@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -51,12 +50,6 @@ EVAL_SAMPLES = 4
 
 class RunError(RuntimeError):
     """A loop or an actor failed; the message names which and why."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def timed(what: str, aw, timeout: float = CALL_TIMEOUT_S):
@@ -93,7 +86,7 @@ class Pipeline:
 
         from actors.generator import GeneratorActor
         from actors.replay_buffer import ReplayBufferActor
-        from actors.trainer import TrainerActor
+        from actors.trainer import Trainer
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.generator.kv_cache_gib))
         host = self._host or this_host()
@@ -103,9 +96,8 @@ class Pipeline:
 
         t0 = time.monotonic()
         log.info("starting trainer mesh (%d ranks)", cfg.trainer.num_ranks)
-        trainer_procs = self._spawn(host, cfg.trainer.num_ranks)
-        self.trainer = trainer_procs.spawn("trainer", TrainerActor, cfg, "127.0.0.1", free_port())
-        await timed("trainer setup", self.trainer.setup.call(), cfg.generator.start_timeout_s)
+        self.trainer = await Trainer.start(cfg, host)  # every call below: all ranks, rank 0's answer
+        self._procs.append(self.trainer.procs)
         if cfg.run.warm_start_steps and not cfg.run.resume:
             await self.warm_start(cfg.run.warm_start_steps)
 
@@ -121,8 +113,7 @@ class Pipeline:
             self.generators.append(procs.spawn(f"generator{i}", GeneratorActor, gen_cfg, i))
         await timed("generator setup", asyncio.gather(*[g.setup.call_one() for g in self.generators]),
                     cfg.generator.start_timeout_s)
-        handle = await timed("weight-sync handle", self.trainer.sync_handle.call(len(self.generators)))
-        handle = _rank0(handle)
+        handle = await self.trainer.sync_handle(len(self.generators))
         await timed("attach weights", asyncio.gather(*[g.attach_weights.call_one(handle) for g in self.generators]))
         log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
                  time.monotonic() - t0, cfg.trainer.num_ranks, len(self.generators), cfg.weight_sync.transport)
@@ -160,9 +151,9 @@ class Pipeline:
         loss = float("nan")
         for _ in range(steps):
             ids, mask = self.demo_batch([next(items) for _ in range(n)])
-            loss = _rank0(await timed("sft_step", self.trainer.sft_step.call(ids, mask)))["loss"]
+            loss = (await self.trainer.sft_step(ids, mask))["loss"]
         self.warm_dir = Path(self.cfg.run.out_dir) / "warm_start"
-        await timed("export warm start", self.trainer.export_hf.call(str(self.warm_dir)))
+        await self.trainer.export_hf(str(self.warm_dir))
         log.info("warm start: %d supervised steps on demonstrations, final loss %.4f", steps, loss)
         return {"warm_start/loss": loss, "warm_start/steps": steps}
 
@@ -184,7 +175,7 @@ class Pipeline:
         batch = await timed("buffer.get_batch", self.buffer.get_batch.call_one(self.version, self.cfg.buffer.batch_timeout_s),
                             self.cfg.buffer.batch_timeout_s + 30)
         t1 = time.monotonic()
-        metrics = _rank0(await timed("trainer.train_step", self.trainer.train_step.call(batch)))
+        metrics = await self.trainer.train_step(batch)
         self.version += 1
         stale = batch.staleness().float()
         mean_reward = float(batch.rewards.mean())
@@ -200,10 +191,8 @@ class Pipeline:
 
     async def push_weights(self) -> float:
         """Snapshot on the trainer, then every generator loads it; returns seconds end to end."""
-        t0 = time.monotonic()
-        await timed("trainer.push_weights", self.trainer.push_weights.call(), self.cfg.weight_sync.timeout_s)
-        await self._update_generators(self.version)
-        self.last_sync_s = time.monotonic() - t0
+        await self.push_weights_overlapped()
+        await self.wait_push()
         return self.last_sync_s
 
     async def _update_generators(self, version: int) -> None:
@@ -222,7 +211,7 @@ class Pipeline:
         """Start a push that overlaps the next step; the previous push must have finished first."""
         await self.wait_push()
         t0 = time.monotonic()
-        await timed("trainer.push_weights", self.trainer.push_weights.call(), self.cfg.weight_sync.timeout_s)
+        await self.trainer.push_weights()
         version = self.version
 
         async def finish():
@@ -240,7 +229,7 @@ class Pipeline:
         """Trainer state (DCP) plus the buffer's counters and prompt position, after the last push landed."""
         await self.wait_push()
         path = Path(self.cfg.run.out_dir) / "checkpoints" / f"step_{step}"
-        await timed("trainer.save", self.trainer.save.call(str(path), {"step": step}))
+        await self.trainer.save(str(path), {"step": step})
         buf = await timed("buffer.state_dict", self.buffer.state_dict.call_one())
         torch.save({"step": step, "version": self.version, "buffer": buf}, path / "controller_state.pt")
         return path
@@ -248,8 +237,8 @@ class Pipeline:
     async def resume(self, path: str) -> int:
         """Restore a checkpoint before generation starts; generators get its weights as its version."""
         state = torch.load(Path(path) / "controller_state.pt", weights_only=False)
-        await timed("trainer.load", self.trainer.load.call(path))
-        self.version = _rank0(await timed("trainer.version", self.trainer.version.call()))
+        await self.trainer.load(path)
+        self.version = await self.trainer.version()
         if self.version != state["version"]:
             raise RunError(f"checkpoint {path}: trainer version {self.version} != saved {state['version']}")
         await timed("buffer.load_state_dict", self.buffer.load_state_dict.call_one(state["buffer"]))
@@ -276,13 +265,6 @@ class Pipeline:
         for i, g in enumerate(self.generators):
             out[f"generator{i}"] = await timed(f"generator{i}.stats", g.stats.call_one(), 60)
         return out
-
-
-def _rank0(value_mesh: Any) -> Any:
-    """The value of rank 0 from a ValueMesh (or the value itself)."""
-    if hasattr(value_mesh, "items"):
-        return next(iter(value_mesh.items()))[1]
-    return value_mesh
 
 
 def _check_served(i: int, served: int, version: int) -> None:
@@ -369,7 +351,7 @@ async def run(cfg: Config, host: Any = None) -> dict:
             raise RunError("health loop ended before training finished")
         summary = first.result()
         ckpt = out / "hf_checkpoint"
-        await timed("trainer.export_hf", pipe.trainer.export_hf.call(str(ckpt)))
+        await pipe.trainer.export_hf(str(ckpt))
         summary["checkpoint"] = str(ckpt)
         summary["stats"] = await pipe.stats()
         return summary

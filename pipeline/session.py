@@ -21,7 +21,7 @@ import threading
 from typing import Any, Sequence
 
 from pipeline.config import Config, load_config
-from pipeline.controller import CALL_TIMEOUT_S, Pipeline, _rank0, timed
+from pipeline.controller import CALL_TIMEOUT_S, Pipeline, timed
 
 
 class Session:
@@ -71,7 +71,7 @@ class Session:
 
     def versions(self) -> dict[str, int]:
         async def get():
-            out = {"trainer": _rank0(await timed("trainer.version", self.pipe.trainer.version.call()))}
+            out = {"trainer": await self.pipe.trainer.version()}
             for i, g in enumerate(self.pipe.generators):
                 out[f"generator{i}"] = await timed(f"generator{i}.version", g.version.call_one())
             return out
@@ -87,11 +87,11 @@ class Session:
     def call(self, actor: str, endpoint: str, *args: Any, **kwargs: Any) -> Any:
         """Call any endpoint: actor is 'trainer', 'buffer' or 'generatorN'; trainer calls return rank 0's value."""
         if actor == "trainer":
-            mesh, one = self.pipe.trainer, False
+            mesh = self.pipe.trainer.mesh
         elif actor == "buffer":
-            mesh, one = self.pipe.buffer, True
+            mesh = self.pipe.buffer
         elif actor.startswith("generator") and actor[9:].isdigit() and int(actor[9:]) < len(self.pipe.generators):
-            mesh, one = self.pipe.generators[int(actor[9:])], True
+            mesh = self.pipe.generators[int(actor[9:])]
         else:
             raise ValueError(f"unknown actor {actor!r}; use 'trainer', 'buffer' or generator0..{len(self.pipe.generators) - 1}")
         ep = getattr(mesh, endpoint, None)
@@ -99,9 +99,9 @@ class Session:
             raise ValueError(f"{actor} has no endpoint {endpoint!r}")
 
         async def go():
-            if one:
-                return await timed(f"{actor}.{endpoint}", ep.call_one(*args, **kwargs))
-            return _rank0(await timed(f"{actor}.{endpoint}", ep.call(*args, **kwargs)))
+            if actor == "trainer":  # every trainer endpoint is a collective over all ranks
+                return await self.pipe.trainer.call_all(endpoint, *args)
+            return await timed(f"{actor}.{endpoint}", ep.call_one(*args, **kwargs))
 
         return self._run(go())
 
