@@ -4,9 +4,10 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
 
     gens = procs.spawn("gen", GeneratorActor, cfg, generator_id)   # one actor per engine
     await gens.setup.call()                                        # start the engine (start_timeout_s)
-    await gens.attach_weights.call(handle)                         # once: builds the WeightReceiver
+    await gens.attach_weights.call(handle)                         # builds (or replaces) the WeightReceiver
     await gens.start_generation.call(buf)                          # N' requests in flight from buf.admit()
-    await gens.update_weights.call(v)                              # pull, then on_update strategy + load
+    await gens.stage_weights.call(v)                               # transport -> staging; generation goes on
+    await gens.apply_weights.call(v)                               # on_update strategy around the vLLM load
     await gens.end_stage.call()                                    # carry_over: keep running | save partials
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
     await gens.stats.call_one()                                    # version, in-flight, tokens/s, pauses...
@@ -14,7 +15,7 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
 
 Finished rollouts (with reward from the task plug-in) go to `buf.add` one at a time; a request
 with bad input is counted in stats()["failed"] and its group is handed back with `buf.release`.
-`generator.rolling` is the controller's job: it calls update_weights on one generator at a time.
+The order of stage/apply across generators (rolling, collective) is pipeline.weightsync.sync.WeightSync's.
 The logic lives in pipeline/rollout_engine.py; this file only adapts it to Monarch.
 """
 
@@ -24,7 +25,7 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from pipeline.config import Config
 from pipeline.rollout_engine import RolloutEngine
@@ -68,29 +69,41 @@ class GeneratorActor(Actor):
         self.core.begin_stage(MeshSource(buffer))
 
     @endpoint
-    async def end_stage(self, carry_over: str | None = None) -> dict:
+    async def end_stage(self, carry_over: str | None = None, resume_on_update: bool = False) -> dict:
         """Stop admitting; per carry_over (default generator.carry_over), let in-flight requests
-        finish (keep) or save them as partials resumed first next stage (save)."""
-        return await self.core.end_stage(self.cfg.generator.request_timeout_s, carry_over)
+        finish (keep) or save them as partials resumed first next stage (save). With
+        resume_on_update the next stage starts by itself once the next weight version is loaded."""
+        return await self.core.end_stage(self.cfg.generator.request_timeout_s, carry_over, resume_on_update)
 
     @endpoint
     async def attach_weights(self, handle) -> None:
+        """Build the WeightReceiver for a sender's handle; a later call replaces it (new transport)."""
         from pipeline.weightsync import WeightReceiver
 
         self.core.check()
         if self.receiver is not None:
-            raise RuntimeError(f"generator {self.core.gid}: attach_weights called twice")
+            self.receiver.close()
         self.receiver = WeightReceiver(handle, self.core.gid)
+        self.receiver.loaded_version = self.core.version
+
+    @concurrent_endpoint
+    async def stage_weights(self, version: int) -> float:
+        """Bring `version` into this generator's staging through the transport; generation goes on
+        meanwhile (a concurrent endpoint, so stats keep answering during a long transfer). Seconds."""
+        self.core.check()
+        if self.receiver is None:
+            raise RuntimeError(f"generator {self.core.gid}: stage_weights before attach_weights")
+        await self.receiver.pull(version)
+        return self.receiver.last_timing["pull_s"]
 
     @endpoint
-    async def update_weights(self, version: int, on_update: str | None = None) -> int:
-        """Pull `version` into staging (generation continues), then load it under the on_update strategy."""
+    async def apply_weights(self, version: int, on_update: str | None = None) -> int:
+        """Load the staged `version` into vLLM under the on_update strategy; returns the served version."""
         from pipeline.weightsync import load_into_vllm
 
         self.core.check()
         if self.receiver is None:
-            raise RuntimeError(f"generator {self.core.gid}: update_weights before attach_weights")
-        await self.receiver.pull(version)
+            raise RuntimeError(f"generator {self.core.gid}: apply_weights before attach_weights")
         timeout_s = self.cfg.weight_sync.timeout_s
         return await self.core.update(
             version, lambda: load_into_vllm(self.core.engine, self.receiver, version, timeout_s), on_update)

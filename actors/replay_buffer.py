@@ -6,12 +6,11 @@ Protocol (generators pull work and push samples; the trainer pulls batches):
     await buf.add.call_one(rollout)                  # raises (ActorError) on a bad rollout
     await buf.release.call_one(group_id)             # a generator gave up on a group
     batch = await buf.get_batch.call_one(v, 60.0)    # waits for B complete groups at version v
-    await buf.end_step.call_one(mean_reward)         # -> Δ for the next step
-    await buf.set_version.call_one(v)                # before generators serve weights v
+    stats = await buf.finish_step.call_one(v + 1, mean_reward)   # new version, Δ update -> stats()
     stats = await buf.stats.call_one()
 
 `get_batch` and `admit(wait_s > 0)` are concurrent endpoints that wait on one asyncio.Condition,
-so `add` and `set_version` keep being served while they wait; every state change notifies it.
+so `add` and `finish_step` keep being served while they wait; every state change notifies it.
 The prompt is drawn from the stream only once admission is granted, so the stream position in
 state_dict() is exactly the prompts handed out.
 """
@@ -66,11 +65,6 @@ class ReplayBufferActor(Actor):
         await self._notify()
         return released
 
-    @endpoint
-    async def set_version(self, version: int) -> None:
-        self.core.set_trainer_version(version)
-        await self._notify()
-
     @concurrent_endpoint
     async def get_batch(self, trainer_version: int, timeout_s: float | None = None) -> Batch:
         """The next B groups for `trainer_version`; TimeoutError after `timeout_s`
@@ -95,10 +89,13 @@ class ReplayBufferActor(Actor):
         return batch
 
     @endpoint
-    async def end_step(self, mean_reward: float) -> int:
-        delta = self.core.end_step(mean_reward)
+    async def finish_step(self, version: int, mean_reward: float) -> dict:
+        """The trainer reached `version` (stale groups drop, admission for it opens) and the step's
+        mean reward moves Δ; returns stats(). One call per step."""
+        self.core.set_trainer_version(version)
+        self.core.end_step(mean_reward)
         await self._notify()
-        return delta
+        return self.core.stats()
 
     @endpoint
     async def stats(self) -> dict:

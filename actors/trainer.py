@@ -1,15 +1,18 @@
 """Trainer mesh: N Monarch actors, one torchtitan/FSDP2 rank each, plus the driver-side handle.
 
-    trainer = await Trainer.start(cfg)                 # spawns cfg.trainer.num_ranks procs
+    trainer = await Trainer.start(cfg, host_mesh)      # cfg.trainer.num_ranks procs, split evenly over hosts
     metrics = await trainer.train_step(batch)          # dict[str, float], rank 0's (all ranks agree)
     handle = await trainer.sync_handle(num_receivers)  # once: rank 0 builds the WeightSender
     wv = await trainer.push_weights()                  # WeightVersion; returns once the snapshot is packed
+                                                       # (pipeline.weightsync.sync.WeightSync drives it)
     await trainer.save(path, data_state) / await trainer.load(path) -> data_state
     await trainer.export_hf(out_dir)                   # vLLM-loadable HF directory
     await trainer.close()
 
-Rendezvous: the driver picks a free TCP port; each rank learns (rank, world) from Monarch
-(`current_rank()` / `current_size()`) in `setup` and joins `init_process_group` over tcp://.
+Rendezvous: rank 0 alone reports where the others reach it (`rendezvous_point`: 127.0.0.1 on one host,
+else its host's address, the one Monarch's TCP channels advertise) and a port free there; then every
+rank runs `setup(addr, port)`: global rank = host index * ranks per host + local index, world =
+trainer.num_ranks, and joins `init_process_group` over tcp://, so FSDP2 spans every host.
 Every endpoint is called on all ranks (FSDP forward/backward, gathers and checkpoints are
 collectives); rank 0's answer is returned. Every call is bounded by `trainer.step_timeout_s`
 (`init_timeout_s` for setup) and a failure on any rank is raised with that rank's error.
@@ -18,6 +21,7 @@ collectives); rank 0's answer is returned. Every call is bounded by `trainer.ste
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -25,17 +29,18 @@ from datetime import timedelta
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
 
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError, WeightSyncConfig
 from pipeline.train_core import TrainCore
 from pipeline.types import Batch, WeightVersion
+
+log = logging.getLogger(__name__)
 
 
 class TrainerActor(Actor):
     """One trainer rank. Endpoints read as the protocol; all logic lives in TrainCore."""
 
-    def __init__(self, cfg: Config, master_addr: str, master_port: int) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.addr, self.port = master_addr, master_port
         self.core: TrainCore | None = None
         self.sender = None  # pipeline.weightsync.WeightSender on rank 0 after sync_handle
 
@@ -45,18 +50,29 @@ class TrainerActor(Actor):
         return self.core
 
     @endpoint
-    async def setup(self) -> dict:
-        rank, world = current_rank().rank, current_size()["procs"]
+    async def rendezvous_point(self, multi_host: bool) -> tuple[str, int]:
+        """Called on rank 0 only, before setup: the address other ranks reach this host at and a port
+        free on it. One host: loopback, so a single-host run listens on nothing else."""
+        addr = socket.gethostbyname(socket.getfqdn()) if multi_host else "127.0.0.1"
+        return addr, free_port(addr)
+
+    @endpoint
+    async def setup(self, addr: str, port: int) -> dict:
+        sizes, rank, world = current_size(), current_rank().rank, self.cfg.trainer.num_ranks
+        per_host = sizes["procs"]
+        host, local = divmod(rank, per_host)  # row-major over ('hosts', 'procs'): host * per_host + local
+        if sizes.get("hosts", 1) * per_host != world:
+            raise RuntimeError(f"trainer mesh {sizes} does not hold trainer.num_ranks={world} ranks")
         tcfg = self.cfg.trainer
-        torch.set_num_threads(tcfg.cpu_threads or max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(tcfg.cpu_threads or max(1, (os.cpu_count() or 1) // per_host))
         if tcfg.device == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(local % torch.cuda.device_count())
         import torch.distributed as dist
 
-        dist.init_process_group(tcfg.backend, init_method=f"tcp://{self.addr}:{self.port}", rank=rank,
+        dist.init_process_group(tcfg.backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=tcfg.init_timeout_s))
         self.core = TrainCore(self.cfg, rank, world)
-        return {"rank": rank, "world": world, "version": self.core.version}
+        return {"rank": rank, "world": world, "host": host, "pid": os.getpid(), "version": self.core.version}
 
     @endpoint
     async def train_step(self, batch: Batch) -> dict[str, float]:
@@ -83,9 +99,11 @@ class TrainerActor(Actor):
         return self._c().export_hf(path)
 
     @endpoint
-    async def sync_handle(self, num_receivers: int):
+    async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):
         """Rank 0 builds the WeightSender from HF-named metadata; returns its handle (None elsewhere).
-        Every rank must take part: torchtitan's fused-QKV state-dict hook gathers DTensors."""
+        `host`: the address receivers reach rank 0's host at (collective); `ws_cfg`: the transport
+        (default: this trainer's weight_sync). A second call replaces the sender. Every rank must
+        take part: torchtitan's fused-QKV state-dict hook gathers DTensors."""
         meta = self._c().hf_meta()
         if self._c().rank != 0:
             return None
@@ -93,24 +111,26 @@ class TrainerActor(Actor):
 
         if self.sender is not None:
             self.sender.close()
-        self.sender = WeightSender(self.cfg.weight_sync, meta, num_receivers)
+        self.sender = WeightSender(ws_cfg or self.cfg.weight_sync, meta, num_receivers, host)
         return self.sender.handle()
 
     @endpoint
     async def push_weights(self) -> WeightVersion | None:
-        """Gather full HF tensors (every rank), rank 0 packs and publishes them as the current version."""
+        """Gather full HF tensors (every rank); rank 0 packs them as the current version and starts the
+        transfer. Returns once the snapshot is packed: the next train_step may run while receivers read."""
         core = self._c()
         sd = core.hf_state_dict()
         if core.rank != 0:
             return None
         if self.sender is None:
             raise RuntimeError("trainer: push_weights before sync_handle(num_receivers)")
-        return await self.sender.push(sd, core.version)
+        return await self.sender.publish(sd, core.version)
 
 
-def free_port() -> int:
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on `addr` now (another process may take it before it is bound again)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 
@@ -122,26 +142,40 @@ class Trainer:
 
     @classmethod
     async def start(cls, cfg: Config, host=None, name: str = "trainer") -> "Trainer":
-        n = cfg.trainer.num_ranks
-        procs = (host or this_host()).spawn_procs(per_host={"procs": n})
-        mesh = procs.spawn(name, TrainerActor, cfg, "127.0.0.1", free_port())
+        """Spawn trainer.num_ranks ranks split evenly over the hosts of `host` (this host if None),
+        rendezvous them at rank 0's host and build the model. `self.addr` is that host's address."""
+        host = host or this_host()
+        hosts, n = host.sizes.get("hosts", 1), cfg.trainer.num_ranks
+        if n % hosts:
+            raise ConfigError(f"config: trainer.num_ranks={n} is invalid; allowed: a multiple of the job's "
+                              f"{hosts} hosts (the trainer runs num_ranks / hosts ranks on every host)")
+        procs = host.spawn_procs(per_host={"procs": n // hosts})
+        mesh = procs.spawn(name, TrainerActor, cfg)
         self = cls(cfg, procs, mesh)
         try:
-            await self.call_all("setup", timeout=cfg.trainer.init_timeout_s)
+            rank0 = mesh.slice(**dict.fromkeys(mesh.sizes, 0))
+            self.addr, port = await asyncio.wait_for(rank0.rendezvous_point.call_one(hosts > 1),
+                                                     cfg.trainer.init_timeout_s)
+            ranks = await self.call_all("setup", self.addr, port, timeout=cfg.trainer.init_timeout_s, every=True)
         except BaseException:
             await procs.stop()
             raise
+        for r in ranks:
+            log.info("trainer rank %d/%d on host %d (pid %d), rendezvous %s:%d", r["rank"], r["world"],
+                     r["host"], r["pid"], self.addr, port)
         return self
 
-    async def call_all(self, ep: str, *args, timeout: float | None = None):
-        """Call endpoint `ep` on every rank (they are collectives); rank 0's answer."""
+    async def call_all(self, ep: str, *args, timeout: float | None = None, every: bool = False):
+        """Call endpoint `ep` on every rank (they are collectives); rank 0's answer, or every rank's
+        answer in rank order (hosts outer, local ranks inner) when `every`."""
         t = timeout or self.cfg.trainer.step_timeout_s
         try:
             vm = await asyncio.wait_for(getattr(self.mesh, ep).call(*args), t)
         except asyncio.TimeoutError:
             raise TimeoutError(f"trainer.{ep}: no answer from {self.cfg.trainer.num_ranks} rank(s) "
                                f"within {t:.0f}s") from None
-        return next(iter(vm.items()))[1]  # rank 0, whatever the mesh's dims (an attached host mesh adds 'hosts')
+        values = list(vm.values())  # row-major over ('hosts', 'procs') or ('procs',): global rank order
+        return values if every else values[0]
 
     async def train_step(self, batch: Batch) -> dict[str, float]:
         return await self.call_all("train_step", batch)
@@ -161,8 +195,8 @@ class Trainer:
     async def export_hf(self, path: str) -> str:
         return await self.call_all("export_hf", str(path))
 
-    async def sync_handle(self, num_receivers: int):
-        return await self.call_all("sync_handle", num_receivers)
+    async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):
+        return await self.call_all("sync_handle", num_receivers, host, ws_cfg)
 
     async def push_weights(self) -> WeightVersion:
         return await self.call_all("push_weights", timeout=self.cfg.weight_sync.timeout_s)

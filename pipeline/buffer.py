@@ -29,7 +29,9 @@ lagging generator still makes at v are stale and dropped, and their slots are re
 serves v+1; a buffer that counted drops against the bound (or evicted them without refunding)
 would wait forever. Between take_batch at v and set_trainer_version(v+1) the bound allows at most
 η·B held groups, so with η = 0 nothing is admitted in that gap, where only weights the next step
-rejects could generate it. In steady state the bound caps useful over-commitment at Δ <= η·B.
+rejects could generate it. In steady state the bound caps useful over-commitment at Δ <= η·B;
+stats() reports the Δ admission lets through as `delta_effective` and counts the steps where the
+controller's Δ exceeded it as `delta_capped_steps`.
 
 Staleness = v − min(token versions); a sample without completion tokens is fresh. It is checked
 when the version changes and when a sample arrives. It never decreases, so dropping a group as soon
@@ -106,8 +108,10 @@ class ReplayBufferCore:
         self.dropped_groups: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.late_rollouts = self.zero_signal_groups = self.deferred_groups = 0
+        self.wasted_tokens = 0  # completion tokens of samples never trained on (dropped groups, late rollouts)
         self.staleness_hist: Counter[int] = Counter()
         self.wait_s_total = self.wait_s_last = 0.0
+        self.delta_capped_steps = 0  # steps whose Δ exceeded what the staleness bound admits
 
     # ---- admission ---------------------------------------------------------------------------
     @property
@@ -119,6 +123,14 @@ class ReplayBufferCore:
         c = self.cfg
         stale_cap = (c.max_staleness + self.version + 1) * c.batch_groups - self.trained_groups
         return min(stale_cap, c.batch_groups + self.delta_ctl.delta)
+
+    def delta_effective(self) -> int:
+        """The Δ admission actually lets through for the next batch: min(Δ, admission_limit − B) at
+        the start of that batch's step (version max(v, batches), trained = batches·B), floored at 0.
+        In steady state that is min(Δ, η·B): a larger Δ is inert, reported as `delta_capped_steps`."""
+        c = self.cfg
+        lag = max(self.version - self.batches, 0)  # versions that got no batch from this buffer
+        return max(0, min(self.delta_ctl.delta, (c.max_staleness + lag) * c.batch_groups))
 
     def can_admit(self) -> bool:
         return self.held_groups + 1 <= self.admission_limit()
@@ -154,6 +166,7 @@ class ReplayBufferCore:
         gid, idx = rollout.group_id, rollout.sample_idx
         if gid in self._late:
             self.late_rollouts += 1
+            self.wasted_tokens += len(rollout.completion_tokens)
             self._late[gid].discard(idx)
             if not self._late[gid]:
                 del self._late[gid]
@@ -199,6 +212,7 @@ class ReplayBufferCore:
             self.zero_signal_groups += 1
             if self.cfg.zero_signal == "drop":
                 self.dropped_groups["zero_signal"] += 1
+                self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
                 return
             g.advantages = [0.0] * len(rewards)
         else:
@@ -207,6 +221,7 @@ class ReplayBufferCore:
 
     def _drop(self, g: _Group, reason: str) -> None:
         gid = g.group.group_id
+        self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
         if self._in_flight.pop(gid, None) is not None:
             missing = set(range(self.cfg.group_size)) - g.samples.keys()
             if missing:
@@ -259,8 +274,12 @@ class ReplayBufferCore:
                      group_ids=tuple(gid for _, _, gid in samples), trainer_version=self.version)
 
     def end_step(self, mean_reward: float) -> int:
-        """Feed the step's mean reward to the Δ controller; returns Δ for the next step."""
-        return self.delta_ctl.update(mean_reward)
+        """Feed the step's mean reward to the Δ controller; returns Δ for the next step (and counts
+        the step in `delta_capped_steps` if the staleness bound will not let all of it through)."""
+        delta = self.delta_ctl.update(mean_reward)
+        if delta > self.delta_effective():
+            self.delta_capped_steps += 1
+        return delta
 
     def record_wait(self, seconds: float) -> None:
         """Time the trainer spent waiting for the batch it just took (measured by the caller)."""
@@ -287,10 +306,12 @@ class ReplayBufferCore:
             "in_flight_groups": len(self._in_flight), "complete_groups": len(self._complete),
             "held_groups": self.held_groups, "admission_limit": self.admission_limit(),
             "occupancy": self.held_groups / cap, "delta": self.delta_ctl.delta,
+            "delta_effective": self.delta_effective(), "delta_capped_steps": self.delta_capped_steps,
             "delta_history": list(self.delta_ctl.history), "reward_slope": self.delta_ctl.last_slope,
+            "reward_slope_tstat": self.delta_ctl.last_tstat,
             "dropped_groups": dict(self.dropped_groups),
             "dropped_samples_by_reason": {k: v * G for k, v in self.dropped_groups.items()},
-            "rejected": dict(self.rejected), "late_rollouts": self.late_rollouts,
+            "rejected": dict(self.rejected), "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
             "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups,
             "staleness_hist": dict(sorted(self.staleness_hist.items())),
             "trainer_wait_s_total": self.wait_s_total, "trainer_wait_s_last": self.wait_s_last,
@@ -302,10 +323,10 @@ class ReplayBufferCore:
         return {"version": self.version, "next_id": self._next_id, "admitted_groups": self.admitted_groups,
                 "trained_groups": self.trained_groups, "batches": self.batches,
                 "dropped_groups": dict(self.dropped_groups), "rejected": dict(self.rejected),
-                "late_rollouts": self.late_rollouts, "zero_signal_groups": self.zero_signal_groups,
-                "deferred_groups": self.deferred_groups, "staleness_hist": dict(self.staleness_hist),
+                "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
+                "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups, "staleness_hist": dict(self.staleness_hist),
                 "wait_s_total": self.wait_s_total, "held_ids": sorted([*self._in_flight, *self._complete]),
-                "delta": self.delta_ctl.state_dict()}
+                "delta_capped_steps": self.delta_capped_steps, "delta": self.delta_ctl.state_dict()}
 
     def load_state_dict(self, s: dict) -> None:
         if self.held_groups or self.admitted_groups:
@@ -318,7 +339,9 @@ class ReplayBufferCore:
             self.dropped_groups["restored"] += len(s["held_ids"])
         self.rejected = Counter(s["rejected"])
         self.late_rollouts, self.zero_signal_groups = s["late_rollouts"], s["zero_signal_groups"]
+        self.wasted_tokens = s.get("wasted_tokens", 0)
         self.deferred_groups, self.wait_s_total = s["deferred_groups"], s["wait_s_total"]
+        self.delta_capped_steps = s.get("delta_capped_steps", 0)  # absent in older checkpoints
         self.staleness_hist = Counter(s["staleness_hist"])
         self._late = {gid: set(range(self.cfg.group_size)) for gid in s["held_ids"]}
         self.delta_ctl.load_state_dict(s["delta"])

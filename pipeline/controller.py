@@ -2,24 +2,23 @@
 
     pipe = Pipeline(cfg)                 # nothing starts yet
     await pipe.start()                   # proc meshes, actors, engines, weight-sync wiring
-    metrics = await pipe.train_once()    # one batch -> one optimizer step -> version + 1
-    await pipe.push_weights()            # trainer snapshot -> every generator (rolling if set)
+    metrics = await pipe.step()          # one batch -> one optimizer step -> version + 1 -> push
     await pipe.shutdown()                # close -> cancel -> stop every proc mesh
 
 `run(cfg)` composes these into the job: generation runs inside the generator actors (CoPRIS fixed
 concurrency, pulling admitted groups from the buffer); the training loop here waits for a batch,
-trains, bumps the version and starts the weight push as a task that overlaps the next step's batch
-wait and compute. A health loop watches every actor; the first loop that fails stops the run with
-its error, and shutdown always stops every proc mesh (Ctrl-C included).
+trains and hands version v to `pipe.sync` (pipeline/weightsync/sync.py, which owns the push
+protocol for every transport). A health loop watches every actor; the first loop that fails stops
+the run with its error, and shutdown always stops every proc mesh (Ctrl-C included).
 
-Ordering contract of the weight push (async mode):
-    train_step(t) -> trainer.push_weights(v=t+1) packs a snapshot (returns before receivers read)
-    -> task: generators.update_weights(v) [one at a time when generator.rolling]
-    -> train_step(t+1) may run while that task reads the snapshot
-    -> before push_weights(v+1) the controller awaits the task of v (the snapshot slot it reads
-       must not be overwritten), so at most one push is in flight.
-In sync mode (`run.mode=sync`) the push is awaited before the next batch is requested, and the
-buffer runs with Δ=0 and max_staleness=0: generate a full batch, train, sync, repeat.
+One step, async mode (`run.mode=async`):
+    batch(v-1) -> [carry_over=save: every generator ends its stage; partials resume on v]
+    -> train -> buffer.finish_step(v) (admission for v opens) -> sync.start(v) (returns once packed)
+    -> the next step's batch wait and compute overlap the delivery of v.
+Sync mode (`run.mode=sync`, the baseline): the buffer runs with Δ=0 and max_staleness=0, and
+    batch(v-1) -> train -> sync.push(v) (every generator serves v) -> buffer.finish_step(v).
+Admission for v opens only once v is served, so every sample of a step is generated on the
+weights it is trained against and nothing is dropped.
 """
 
 from __future__ import annotations
@@ -39,10 +38,10 @@ from pipeline.config import Config
 from pipeline.metrics import MetricsSink, Progress, plot_summary
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer, model_dir
 from pipeline.tasks import load_task, take
+from pipeline.weightsync.sync import WeightSync
 
 log = logging.getLogger(__name__)
 
-SPAWN_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 600.0
 HEALTH_PERIOD_S = 2.0
 EVAL_SAMPLES = 4
@@ -75,9 +74,9 @@ class Pipeline:
         self._host = host
         self.version = 0
         self._procs: list[Any] = []
-        self._push_task: asyncio.Task | None = None
+        self.sync: WeightSync | None = None
+        self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host (set by start)
         self.task = load_task(cfg.task.name)
-        self.last_sync_s = float("nan")
 
     # ------------------------------------------------------------------ start / stop
 
@@ -89,37 +88,50 @@ class Pipeline:
         from actors.trainer import Trainer
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.generator.kv_cache_gib))
-        host = self._host or this_host()
+        host = self._host or this_host()  # an attached torchrun host mesh has a 'hosts' dim; this_host() none
         cfg = self.cfg
+        self.num_hosts = host.sizes.get("hosts", 1)
+        # Trainer rank 0, the buffer and this controller's meshes start on host 0.
+        self.generator_hosts = [i % self.num_hosts if cfg.generator.placement == "spread" else 0
+                                for i in range(cfg.generator.num_generators)]
+        remote = [f"generator{i} on host {h}" for i, h in enumerate(self.generator_hosts) if h != 0]
+        if remote and cfg.weight_sync.transport == "shm":
+            raise RunError(f"weight_sync.transport='shm' only reaches generators on trainer rank 0's host (host 0), "
+                           f"but {', '.join(remote)} (generator.placement={cfg.generator.placement!r}, "
+                           f"{self.num_hosts} hosts): use weight_sync.transport=rdma (or collective)")
         self.hf_dir = model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.hf_dir)
 
         t0 = time.monotonic()
-        log.info("starting trainer mesh (%d ranks)", cfg.trainer.num_ranks)
+        log.info("starting trainer mesh (%d ranks over %d host(s))", cfg.trainer.num_ranks, self.num_hosts)
         self.trainer = await Trainer.start(cfg, host)  # every call below: all ranks, rank 0's answer
         self._procs.append(self.trainer.procs)
+        self.trainer_addr = self.trainer.addr  # where other hosts reach trainer rank 0's host
         if cfg.run.warm_start_steps and not cfg.run.resume:
             await self.warm_start(cfg.run.warm_start_steps)
 
-        log.info("starting replay buffer and %d generator(s); vLLM engines take a while to start",
-                 cfg.generator.num_generators)
-        buffer_procs = self._spawn(host, 1)
+        log.info("starting replay buffer (host 0) and %d generator(s) on hosts %s; vLLM engines take a while to start",
+                 cfg.generator.num_generators, self.generator_hosts)
+        buffer_procs = self._spawn(host, 0)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
         gen_cfg = cfg if not hasattr(self, "warm_dir") else dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, hf_dir=str(self.warm_dir)))
         self.generators = []
-        for i in range(cfg.generator.num_generators):
-            procs = self._spawn(host, 1)
+        for i, h in enumerate(self.generator_hosts):
+            procs = self._spawn(host, h)
             self.generators.append(procs.spawn(f"generator{i}", GeneratorActor, gen_cfg, i))
         await timed("generator setup", asyncio.gather(*[g.setup.call_one() for g in self.generators]),
                     cfg.generator.start_timeout_s)
-        handle = await self.trainer.sync_handle(len(self.generators))
-        await timed("attach weights", asyncio.gather(*[g.attach_weights.call_one(handle) for g in self.generators]))
+        self.sync = WeightSync(self.trainer, self.generators, cfg)
+        await self.sync.attach(self.trainer_addr)
         log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
                  time.monotonic() - t0, cfg.trainer.num_ranks, len(self.generators), cfg.weight_sync.transport)
 
-    def _spawn(self, host: Any, n: int):
-        procs = host.spawn_procs(per_host={"procs": n})
+    def _spawn(self, host: Any, index: int):
+        """One proc on host `index` of the job (`spawn_procs` on a whole host mesh spawns on every host)."""
+        if "hosts" in host.sizes:
+            host = host.slice(hosts=index)
+        procs = host.spawn_procs(per_host={"procs": 1})
         self._procs.append(procs)
         return procs
 
@@ -128,10 +140,10 @@ class Pipeline:
 
     async def shutdown(self) -> None:
         """close -> cancel -> stop: ends generation, then stops every proc mesh (never raises)."""
-        if self._push_task is not None:
-            self._push_task.cancel()
+        if self.sync is not None:
+            self.sync.cancel()
             with contextlib.suppress(BaseException):
-                await self._push_task
+                await self.sync.wait()
         for g in getattr(self, "generators", []):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(g.shutdown.call_one(), 60)
@@ -170,64 +182,50 @@ class Pipeline:
         return ids, mask
 
     async def train_once(self) -> dict:
-        """Wait for a batch, take one optimizer step, advance the version everywhere."""
+        """Wait for a batch, take one optimizer step: version + 1 on the trainer (not yet announced)."""
+        cfg = self.cfg
         t0 = time.monotonic()
-        batch = await timed("buffer.get_batch", self.buffer.get_batch.call_one(self.version, self.cfg.buffer.batch_timeout_s),
-                            self.cfg.buffer.batch_timeout_s + 30)
+        batch = await timed("buffer.get_batch", self.buffer.get_batch.call_one(self.version, cfg.buffer.batch_timeout_s),
+                            cfg.buffer.batch_timeout_s + 30)
         t1 = time.monotonic()
+        if cfg.generator.carry_over == "save":  # CoPRIS stage end: in-flight rollouts become partials
+            await timed("end_stage", asyncio.gather(*[g.end_stage.call_one("save", True) for g in self.generators]),
+                        cfg.generator.request_timeout_s)
         metrics = await self.trainer.train_step(batch)
         self.version += 1
         stale = batch.staleness().float()
-        mean_reward = float(batch.rewards.mean())
-        await timed("buffer.set_version", self.buffer.set_version.call_one(self.version))
-        await timed("buffer.end_step", self.buffer.end_step.call_one(mean_reward))
         t2 = time.monotonic()
         metrics.update({
-            "reward/mean": mean_reward, "staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
-            "version/trainer": self.version, "time/batch_wait_s": t1 - t0, "time/train_s": t2 - t1,
-            "trainer/idle_frac": (t1 - t0) / max(t2 - t0, 1e-9), "batch/tokens": batch.num_tokens,
+            "reward/mean": float(batch.rewards.mean()), "staleness/mean": float(stale.mean()),
+            "staleness/max": float(stale.max()), "version/trainer": self.version, "time/batch_wait_s": t1 - t0,
+            "time/train_s": t2 - t1, "trainer/idle_frac": (t1 - t0) / max(t2 - t0, 1e-9),
+            "batch/tokens": batch.num_tokens,
         })
         return metrics
 
-    async def push_weights(self) -> float:
-        """Snapshot on the trainer, then every generator loads it; returns seconds end to end."""
-        await self.push_weights_overlapped()
-        await self.wait_push()
-        return self.last_sync_s
+    async def finish_step(self, mean_reward: float) -> dict:
+        """Announce the trainer's version to the buffer (admission for it opens) and feed Δ; buffer stats."""
+        return await timed("buffer.finish_step", self.buffer.finish_step.call_one(self.version, mean_reward))
 
-    async def _update_generators(self, version: int) -> None:
-        timeout = self.cfg.weight_sync.timeout_s + self.cfg.generator.request_timeout_s
-        if self.cfg.generator.rolling:
-            for i, g in enumerate(self.generators):
-                served = await timed(f"generator{i}.update_weights({version})", g.update_weights.call_one(version), timeout)
-                _check_served(i, served, version)
+    async def step(self) -> dict:
+        """One RL step in the configured mode (see the module docstring); metrics incl. the buffer's."""
+        metrics = await self.train_once()
+        if self.cfg.run.mode == "sync":
+            await self.sync.push(self.version)
+            buf = await self.finish_step(metrics["reward/mean"])
         else:
-            served = await timed(f"update_weights({version})", asyncio.gather(
-                *[g.update_weights.call_one(version) for g in self.generators]), timeout)
-            for i, s in enumerate(served):
-                _check_served(i, s, version)
+            buf = await self.finish_step(metrics["reward/mean"])
+            await self.sync.start(self.version)
+        metrics.update(buffer_metrics(buf))
+        return metrics
 
-    async def push_weights_overlapped(self) -> None:
-        """Start a push that overlaps the next step; the previous push must have finished first."""
-        await self.wait_push()
-        t0 = time.monotonic()
-        await self.trainer.push_weights()
-        version = self.version
-
-        async def finish():
-            await self._update_generators(version)
-            self.last_sync_s = time.monotonic() - t0
-
-        self._push_task = asyncio.create_task(finish(), name=f"push-v{version}")
-
-    async def wait_push(self) -> None:
-        if self._push_task is not None:
-            task, self._push_task = self._push_task, None
-            await task
+    async def push_weights(self) -> float:
+        """Push the trainer's current version to every generator and wait; seconds end to end."""
+        return await self.sync.push(self.version)
 
     async def save_checkpoint(self, step: int) -> Path:
         """Trainer state (DCP) plus the buffer's counters and prompt position, after the last push landed."""
-        await self.wait_push()
+        await self.sync.wait()
         path = Path(self.cfg.run.out_dir) / "checkpoints" / f"step_{step}"
         await self.trainer.save(str(path), {"step": step})
         buf = await timed("buffer.state_dict", self.buffer.state_dict.call_one())
@@ -267,9 +265,10 @@ class Pipeline:
         return out
 
 
-def _check_served(i: int, served: int, version: int) -> None:
-    if served != version:
-        raise RunError(f"generator{i} serves version {served} after update_weights({version})")
+def buffer_metrics(buf: dict) -> dict[str, float]:
+    """The buffer's per-step metrics: Δ, drops and wasted tokens (every mode reports them)."""
+    return {"buffer/delta": float(buf["delta"]), "buffer/dropped_samples": float(buf["dropped_samples"]),
+            "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"])}
 
 
 # ---------------------------------------------------------------------- the job
@@ -294,26 +293,25 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
         eval_curve.append((first_step - 1, ev["eval/reward"], ev["eval/reward_greedy"]))
         sink.log(first_step - 1, ev)
     t_start = time.monotonic()
-    samples = 0
+    samples = tokens = 0
     for step in range(first_step, cfg.run.steps + 1):
-        metrics = await pipe.train_once()
-        if cfg.run.mode == "sync":
-            await pipe.push_weights()
-        else:
-            await pipe.push_weights_overlapped()
-        samples += int(metrics.get("batch/samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
+        metrics = await pipe.step()
+        samples += int(metrics.get("samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
+        tokens += int(metrics["batch/tokens"])
         elapsed = time.monotonic() - t_start
-        buf = await timed("buffer.stats", pipe.buffer.stats.call_one(), 60)
         gens = await timed("generator stats", asyncio.gather(*[g.stats.call_one() for g in pipe.generators]), 60)
         served = min(g["version"] for g in gens)  # the oldest weights any generator serves
         metrics.update({
-            "throughput/samples_per_s": samples / elapsed,
+            "throughput/samples_per_s": samples / elapsed, "throughput/trained_tokens_per_s": tokens / elapsed,
             "throughput/gen_tokens_per_s": sum(g["tokens_per_s"] for g in gens),
-            "sync/latency_s": pipe.last_sync_s, "buffer/delta": float(buf["delta"]),
+            "sync/latency_s": pipe.sync.last.get("total_s", float("nan")),
             "version/generator": served, "version/lag": pipe.version - served,
+            "carry/samples": float(sum(g["carried_samples"] for g in gens)),
+            "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),
+            "carry/reprefill_tokens": float(sum(g["reprefill_tokens"] for g in gens)),
         })
         if cfg.run.eval_every and cfg.task.eval_prompts and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
-            await pipe.wait_push()
+            await pipe.sync.wait()
             ev = await pipe.evaluate()
             eval_curve.append((step, ev["eval/reward"], ev["eval/reward_greedy"]))
             metrics.update(ev)
@@ -321,9 +319,10 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
             metrics["checkpoint"] = str(await pipe.save_checkpoint(step))
         sink.log(step, metrics)
         progress.update(metrics)
-    await pipe.wait_push()
-    summary.update({"steps": cfg.run.steps - first_step + 1, "version": pipe.version, "elapsed_s": time.monotonic() - t_start,
-                    "samples_per_s": samples / max(time.monotonic() - t_start, 1e-9), "eval_curve": eval_curve})
+    await pipe.sync.wait()
+    elapsed = max(time.monotonic() - t_start, 1e-9)
+    summary.update({"steps": cfg.run.steps - first_step + 1, "version": pipe.version, "elapsed_s": elapsed,
+                    "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed, "eval_curve": eval_curve})
     return summary
 
 
@@ -363,28 +362,3 @@ async def run(cfg: Config, host: Any = None) -> dict:
         if sink.path.exists() and sink.path.stat().st_size:
             plot_summary(sink.path, out / "summary.png", title=f"{cfg.task.name} ({cfg.run.mode})")
 
-
-def print_summary(cfg: Config, summary: dict) -> None:
-    curve = summary.get("eval_curve") or []
-    print(f"\n== done: {summary['steps']} steps in {summary['elapsed_s']:.1f}s "
-          f"({summary['samples_per_s']:.2f} samples/s), trainer version {summary['version']}")
-    if cfg.run.warm_start_steps:
-        print(f"   warm start: {cfg.run.warm_start_steps} supervised steps on task demonstrations before RL "
-              f"(held-out rewards below are measured after it)")
-    if curve:
-        print(f"   held-out reward (sampled): {curve[0][1]:.3f} (step {curve[0][0]}) -> {curve[-1][1]:.3f} "
-              f"(step {curve[-1][0]}); greedy: {curve[0][2]:.3f} -> {curve[-1][2]:.3f}")
-    print(f"   metrics: {cfg.run.out_dir}/metrics.jsonl, tensorboard: {cfg.run.out_dir}/tensorboard, "
-          f"plot: {cfg.run.out_dir}/summary.png")
-    print(f"   HF checkpoint: {summary.get('checkpoint')}")
-
-
-def launch(cfg: Config) -> int:
-    """Local run, or under torchrun: every rank joins one Monarch job and rank 0 drives it."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
-        from pipeline.torchrun import run_under_torchrun
-
-        return run_under_torchrun(cfg)
-    summary = asyncio.run(run(cfg))
-    print_summary(cfg, summary)
-    return 0

@@ -136,6 +136,8 @@ class RolloutStats:
     tokens: int = 0
     rollouts: int = 0
     reprefill_tokens: int = 0
+    carried_samples: int = 0
+    carried_tokens: int = 0
     busy_s: float = 0.0
     pauses_s: list[float] = field(default_factory=list)
     failed: Counter = field(default_factory=Counter)
@@ -163,6 +165,8 @@ class RolloutStats:
             "tokens_per_s": self.tokens / busy if busy > 0 else 0.0,
             "busy_s": busy,
             "reprefill_tokens": self.reprefill_tokens,
+            "carried_samples": self.carried_samples,
+            "carried_tokens": self.carried_tokens,
             "updates": len(self.pauses_s),
             "pause_s": list(self.pauses_s),
             "pause_s_mean": sum(self.pauses_s) / len(self.pauses_s) if self.pauses_s else 0.0,

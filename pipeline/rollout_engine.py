@@ -6,6 +6,8 @@
     ...                                      # finished rollouts stream to source.add() one by one
     await eng.update(v, load)                # on_update strategy around `await load()`
     await eng.end_stage()                    # carry_over: keep running, or save partials
+    await eng.end_stage(carry_over="save", resume_on_update=True)   # CoPRIS stage end: partials
+                                             # resume first, on the next weights, once they load
     await eng.close()
 
 Ordering contract of `update` (generator.on_update):
@@ -77,6 +79,8 @@ class RolloutEngine:
         self._resubmit: set[str] = set()  # request ids aborted by an `abort` update
         self._saving = False
         self._admitting = False
+        self._resume_on_update = False
+        self._sending = 0  # finished trajectories being rewarded / sent to the source
         self._gate: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -204,9 +208,12 @@ class RolloutEngine:
         self._release_slot(traj)
         if finish == "saved":
             self._carried.append(traj)
+            self.stats.carried_samples += 1
+            self.stats.carried_tokens += len(traj.tokens)
             return
         if traj.group.group_id in self._dead_groups:
             return  # a sibling failed and the group was released at the buffer
+        self._sending += 1  # its slot is free already (the next request starts now); the send is not done
         try:
             completion = self.tok.decode(traj.tokens, skip_special_tokens=True)
             reward = self.task.reward(traj.group.item.prompt, completion)
@@ -217,6 +224,8 @@ class RolloutEngine:
             raise
         except Exception as e:
             self._break(RuntimeError(f"{traj.key}: sending the rollout failed: {type(e).__name__}: {e}"))
+        finally:
+            self._sending -= 1
 
     async def _generate(self, traj: Trajectory) -> str:
         """Run segments until the trajectory finishes; 'saved' if a stage end carried it over."""
@@ -290,11 +299,14 @@ class RolloutEngine:
         except Exception as e:
             self._break(RuntimeError(f"releasing failed group {gid} at the buffer failed: {e}"))
 
-    async def end_stage(self, timeout_s: float, carry_over: str | None = None) -> dict:
+    async def end_stage(self, timeout_s: float, carry_over: str | None = None, resume_on_update: bool = False) -> dict:
         """Stop admitting. carry_over=keep: in-flight requests run on and are sent when done.
         carry_over=save: abort them and keep the partials (tokens, logprobs, versions) for the next stage.
-        `carry_over` overrides generator.carry_over for this call."""
+        `carry_over` overrides generator.carry_over for this call. resume_on_update: the next
+        successful `update` begins the next stage on the same source (partials first)."""
         self.check()
+        if not self._admitting:  # no stage running (already ended, or never begun)
+            return {"carried": len(self._carried), "running": len(self._active), "pending": len(self._pending)}
         carry_over = carry_over or self.g.carry_over
         if carry_over not in ("keep", "save"):
             raise ValueError(f"end_stage: carry_over={carry_over!r}; allowed: 'keep', 'save'")
@@ -312,6 +324,7 @@ class RolloutEngine:
                                        f"within {timeout_s:.0f}s of end_stage")
                 await asyncio.sleep(0.01)
         self.check()
+        self._resume_on_update = resume_on_update
         return {"carried": len(self._carried), "running": len(self._active), "pending": len(self._pending)}
 
     # ---------------------------------------------------------------- weight updates
@@ -351,6 +364,9 @@ class RolloutEngine:
         self.version = version
         self._gate.set()
         self.stats.pauses_s.append(time.monotonic() - t0)
+        if self._resume_on_update:
+            self._resume_on_update = False
+            self.begin_stage(self.source)
         return version
 
     # ---------------------------------------------------------------- eval and stats
@@ -387,7 +403,7 @@ class RolloutEngine:
 
     def snapshot(self) -> dict:
         s = self.stats.snapshot()
-        s.update(generator_id=self.gid, version=self.version, in_flight=len(self._active),
+        s.update(generator_id=self.gid, version=self.version, in_flight=len(self._active), sending=self._sending,
                  in_engine=len(self._rids), pending=len(self._pending), carried=len(self._carried),
                  admitting=self._admitting, error=str(self._broken) if self._broken else None)
         return s

@@ -21,7 +21,7 @@ import threading
 from typing import Any, Sequence
 
 from pipeline.config import Config, load_config
-from pipeline.controller import CALL_TIMEOUT_S, Pipeline, timed
+from pipeline.controller import CALL_TIMEOUT_S, Pipeline, buffer_metrics, timed
 
 
 class Session:
@@ -56,9 +56,16 @@ class Session:
             self._generating = True
 
     def train_step(self) -> dict:
-        """One batch from the buffer, one optimizer step (starts generation if needed)."""
+        """One batch from the buffer, one optimizer step (starts generation if needed); the buffer
+        learns the new version at once, the generators with `sync()`."""
         self.generate()
-        return self._run(self.pipe.train_once(), timeout=None)
+
+        async def go() -> dict:
+            metrics = await self.pipe.train_once()
+            metrics.update(buffer_metrics(await self.pipe.finish_step(metrics["reward/mean"])))
+            return metrics
+
+        return self._run(go(), timeout=None)
 
     def sync(self) -> float:
         """Push the trainer's weights to every generator; returns the end-to-end seconds."""

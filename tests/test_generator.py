@@ -94,6 +94,8 @@ def env():
         return models[version]
 
     yield loop, gen, src, model
+    # Tests use versions relative to the one served when they start (`now`), so each passes alone
+    # and in any order: the engine serving version k always holds checkpoint seed k.
     loop.run_until_complete(gen.shutdown.call_one())
     loop.run_until_complete(procs.stop())
     loop.run_until_complete(src_procs.stop())
@@ -144,7 +146,8 @@ async def _all_in_engine(gen):
 
 
 async def _idle(gen):
-    return (await gen.stats.call_one())["in_flight"] == 0
+    s = await gen.stats.call_one()
+    return s["in_flight"] == 0 and s["sending"] == 0  # every finished rollout reached the source
 
 
 def recompute(model, r) -> torch.Tensor:
@@ -164,15 +167,20 @@ def check_against_trainer(model_of, r, exact_versions: set[int]) -> None:
         assert err <= 1e-3, f"group {r.group_id}: version-{v} tokens differ from the trainer by {err:.2e}"
 
 
+def now(loop, gen) -> int:
+    return loop.run_until_complete(gen.version.call_one())
+
+
 def test_in_flight_stays_at_n_prime_while_prompts_remain(env):
     loop, gen, src, model = env
+    v = now(loop, gen) + 1
 
     async def go():
         await src.feed.call_one(prompts(12, seed=1))
         await gen.start_generation.call_one(src)
         await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
         samples = []
-        served = await gen.load_checkpoint.call_one(str(ckpt(1)), 1, "keep")
+        served = await gen.load_checkpoint.call_one(str(ckpt(v)), v, "keep")
         while (s := await gen.stats.call_one())["groups"] < 12 or s["pending"] > 0:
             if s["pending"] > 0:
                 samples.append(s["in_flight"])
@@ -182,58 +190,61 @@ def test_in_flight_stays_at_n_prime_while_prompts_remain(env):
         return served, samples, rollouts
 
     served, samples, rollouts = loop.run_until_complete(go())
-    assert served == 1 and len(rollouts) == 12 * GROUP
+    assert served == v and len(rollouts) == 12 * GROUP
     assert len(samples) >= 10, f"too few samples while prompts remained: {samples}"
     assert all(n == N_PRIME for n in samples), f"in-flight count left N'={N_PRIME}: {samples}"
 
 
 def test_keep_versions_and_logprobs(env):
     loop, gen, src, model = env
-    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, 2, "keep", 8, seed=2))
+    v = now(loop, gen)
+    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, v + 1, "keep", 8, seed=2))
     assert len(rollouts) == 8 * GROUP
-    spanning = [r for r in rollouts if set(r.versions) == {1, 2}]
+    spanning = [r for r in rollouts if set(r.versions) == {v, v + 1}]
     assert spanning, "no trajectory spanned the update"
     for r in rollouts:
         assert list(r.versions) == sorted(r.versions), "versions must only move forward"
         assert len(r.completion_tokens) == MAX_NEW and r.finish_reason == "length"
-        check_against_trainer(model, r, {1})  # old-version tokens are exact
-        if set(r.versions) == {2}:
-            check_against_trainer(model, r, {2})  # one-version trajectories are exact
+        check_against_trainer(model, r, {v})  # old-version tokens are exact
+        if set(r.versions) == {v + 1}:
+            check_against_trainer(model, r, {v + 1})  # one-version trajectories are exact
     for r in spanning:
         # The first new-version token is sampled with stale KV, so it matches neither model; if it
         # had been sampled by the old weights it would match version 1 to ~1e-6.
-        k = r.versions.index(2)
-        old = recompute(model(1), r)[k].item()
-        assert abs(old - r.logprobs[k]) > 1e-3, "token labelled version 2 was sampled by version 1"
+        k = r.versions.index(v + 1)
+        old = recompute(model(v), r)[k].item()
+        assert abs(old - r.logprobs[k]) > 1e-3, "token labelled with the new version was sampled by the old one"
         assert r.reprefill_tokens == 0
 
 
 def test_abort_resumes_on_exact_tokens_under_new_weights(env):
     loop, gen, src, model = env
-    before = loop.run_until_complete(gen.stats.call_one())["reprefill_tokens"]
-    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, 3, "abort", 8, seed=3))
-    spanning = [r for r in rollouts if set(r.versions) == {2, 3}]
+    v = now(loop, gen)
+    before = loop.run_until_complete(gen.stats.call_one())
+    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, v + 1, "abort", 8, seed=3))
+    spanning = [r for r in rollouts if set(r.versions) == {v, v + 1}]
     assert spanning, "no trajectory spanned the update"
     for r in rollouts:
         assert list(r.versions) == sorted(r.versions)
         # Both parts match the trainer exactly: old tokens under version 2, and the resumed part under
-        # version 3 conditioned on exactly those tokens (a fresh re-prefill, no stale KV).
-        check_against_trainer(model, r, {2, 3})
+        # the new version conditioned on exactly those tokens (a fresh re-prefill, no stale KV).
+        check_against_trainer(model, r, {v, v + 1})
     for r in spanning:
-        assert r.reprefill_tokens == len(r.prompt_tokens) + r.versions.index(3)
+        assert r.reprefill_tokens == len(r.prompt_tokens) + r.versions.index(v + 1)
     stats = loop.run_until_complete(gen.stats.call_one())
-    assert stats["reprefill_tokens"] - before == sum(r.reprefill_tokens for r in rollouts) > 0
-    assert stats["updates"] == 3 and len(stats["pause_s"]) == 3
+    assert stats["reprefill_tokens"] - before["reprefill_tokens"] == sum(r.reprefill_tokens for r in rollouts) > 0
+    assert stats["updates"] == before["updates"] + 1 and len(stats["pause_s"]) == stats["updates"]
 
 
 def test_drain_gives_every_trajectory_one_version(env):
     loop, gen, src, model = env
-    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, 4, "drain", 8, seed=4))
+    v = now(loop, gen)
+    rollouts = loop.run_until_complete(run_stage_with_update(gen, src, v + 1, "drain", 8, seed=4))
     assert len(rollouts) == 8 * GROUP
-    assert {r.versions[0] for r in rollouts} == {3, 4}, "expected trajectories on both sides of the update"
+    assert {r.versions[0] for r in rollouts} == {v, v + 1}, "expected trajectories on both sides of the update"
     for r in rollouts:
         assert len(set(r.versions)) == 1, f"group {r.group_id} has versions {set(r.versions)}"
-        check_against_trainer(model, r, {3, 4})
+        check_against_trainer(model, r, {v, v + 1})
 
 
 def test_save_carries_partials_into_next_stage(env):
@@ -256,9 +267,49 @@ def test_save_carries_partials_into_next_stage(env):
     assert len(first) + len(second) == 4 * GROUP
     resumed = [r for r in second if r.reprefill_tokens > 0]
     assert len(resumed) == ended["carried"]
+    v = now(loop, gen)
     for r in first + second:
-        assert len(r.completion_tokens) == MAX_NEW and set(r.versions) == {4}
-        check_against_trainer(model, r, {4})
+        assert len(r.completion_tokens) == MAX_NEW and set(r.versions) == {v}
+        check_against_trainer(model, r, {v})
+
+
+def test_stage_end_carries_partials_that_resume_on_new_weights_with_their_own_logprobs(env):
+    """CoPRIS stage end: in-flight rollouts are cut at the stage end, kept with their tokens, logprobs
+    and versions, and resumed first once the next version loads; the cross-stage importance weight of
+    every carried token uses that token's own behaviour logprob (the old version's)."""
+    from pipeline import losses
+    from pipeline.config import TrainerConfig
+
+    loop, gen, src, model = env
+    v = now(loop, gen)
+
+    async def go():
+        base = (await gen.stats.call_one())["groups"]
+        await src.feed.call_one(prompts(4, seed=7))
+        await gen.start_generation.call_one(src)
+        await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
+        ended = await gen.end_stage.call_one("save", True)
+        first, _, _ = await src.drain.call_one()
+        served = await gen.load_checkpoint.call_one(str(ckpt(v + 1)), v + 1, "keep")  # resumes the stage
+        await finish_stage(gen, base + 4)
+        second, _, _ = await src.drain.call_one()
+        return ended, served, first, second, await gen.stats.call_one()
+
+    ended, served, first, second, stats = loop.run_until_complete(go())
+    assert served == v + 1 and ended["carried"] >= 1 and stats["carried_tokens"] > 0
+    assert len(first) + len(second) == 4 * GROUP
+    spanning = [r for r in second if set(r.versions) == {v, v + 1}]
+    assert len(spanning) == ended["carried"], "every carried partial resumes on the new version"
+    cfg = TrainerConfig(correction="tis", is_cap=1e9)
+    for r in spanning:
+        check_against_trainer(model, r, {v, v + 1})  # old tokens: version v's logprobs; new: v + 1's
+        k = r.versions.index(v + 1)
+        assert r.reprefill_tokens == len(r.prompt_tokens) + k
+        learner = recompute(model(v + 1), r)[None]  # π_old at training time: the newest weights
+        mu = torch.tensor([r.logprobs])
+        w, _ = losses.is_weights(learner, mu, torch.ones_like(mu), cfg)
+        own = torch.exp(learner[0, :k] - recompute(model(v), r)[:k])  # each carried token's own μ
+        assert torch.allclose(w[0, :k], own, rtol=1e-2, atol=1e-3)
 
 
 def test_bad_requests_fail_alone_and_are_counted(env):
@@ -299,7 +350,7 @@ def test_feeds_the_real_replay_buffer(env):
         try:
             buf = procs.spawn("buf", ReplayBufferActor, cfg, PAD_ID)
             version = await gen.version.call_one()
-            await buf.set_version.call_one(version)
+            await buf.finish_step.call_one(version, 0.0)
             await gen.start_generation.call_one(buf)
             batch = await buf.get_batch.call_one(version, 120.0)
             await gen.end_stage.call_one("keep")

@@ -91,7 +91,7 @@ def test_get_batch_timeout_names_how_many_groups_were_ready(procs):
 def test_state_dict_restores_prompt_position_and_counters(procs):
     a = spawn(procs, "buf_ckpt_a")
     a.admit.call_one().get()
-    a.end_step.call_one(0.5).get()
+    a.finish_step.call_one(0, 0.5).get()
     state = a.state_dict.call_one().get()
     nxt = a.admit.call_one().get()
     b = spawn(procs, "buf_ckpt_b")

@@ -105,7 +105,7 @@ def test_checkpoint_resumes_on_a_fresh_mesh(loop, trainers, batch, tmp_path):
 def test_push_weights_publishes_a_snapshot_that_survives_the_next_step(loop, trainers, batch, tmp_path):
     """rank 0 packs the gathered FSDP weights; a receiver reading after the next step still sees them."""
     from pipeline.weightsync import WeightReceiver
-    from pipeline.weightsync.shm import Segment
+    from pipeline.weightsync.segment import Segment
 
     _, two = trainers
     handle = loop.run_until_complete(two.sync_handle(1))

@@ -17,7 +17,7 @@ from monarch.actor import Actor, current_rank, endpoint, this_host
 from pipeline.config import WeightSyncConfig
 from pipeline.weightsync import (BucketPlan, PlanMismatchError, ShortBufferError, SyncTimeoutError,
                                  VersionRegressionError, WeightReceiver, WeightSender)
-from pipeline.weightsync.shm import Segment
+from pipeline.weightsync.segment import Segment
 
 pytestmark = pytest.mark.slow
 NUM_RECEIVERS = 2

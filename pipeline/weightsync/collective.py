@@ -1,7 +1,9 @@
 """torch.distributed transport: rank 0 (the sender) broadcasts the header, then each bucket.
 
 A dedicated process group of `1 + num_receivers` ranks (sender = 0, receiver r = r + 1), built
-from a TCPStore the sender hosts, never the trainer's default group. `gloo` on CPU, `nccl` on GPU
+from a TCPStore the sender hosts, never the trainer's default group. Store and gloo sockets listen
+only on the address given to the sender (127.0.0.1 on one host; the trainer host's address when
+generators live on other hosts). `gloo` on CPU, `nccl` on GPU
 (same code; with nccl the slots and the receive bucket live on cuda and each received bucket is
 copied to the host staging segment). The group forms lazily on the first push/pull, which must run
 concurrently (see WeightSender). Every collective runs on one worker thread per side, so the
@@ -20,24 +22,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.weightsync import shm
+from pipeline.weightsync import segment as seg
 from pipeline.weightsync.errors import TransportError
 from pipeline.weightsync.plan import BucketPlan
 from pipeline.weightsync.transport import NUM_SLOTS, ReceiverTransport, SenderTransport, Slot, SyncHandle
 
 
-def _host() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+def _local_addr(host: str, port: int) -> str:
+    """The local address this host uses to reach host:port (gloo binds it: loopback for 127.0.0.1)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))  # UDP connect: picks the route, sends nothing
+        return s.getsockname()[0]
 
 
 class _Group:
     """The process group plus the thread that drives it."""
 
-    def __init__(self, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, backend: str, host: str, port: int, rank: int, world: int, timeout_s: float,
+                 bind: str) -> None:
         self.backend, self.host, self.port, self.rank, self.world = backend, host, port, rank, world
+        self.bind = bind
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"weightsync-pg{rank}")
@@ -50,7 +54,11 @@ class _Group:
             opts._timeout = self.timeout
             self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, self.timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self.timeout
+            # gloo binds the interface of this name; the hostname's default can be a public address.
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
+            self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world, opts)
 
     def _broadcast(self, tensors: list[torch.Tensor], what: str, first_bucket: int, after) -> None:
         step = "group init"
@@ -78,18 +86,22 @@ class _Group:
 class CollectiveSender(SenderTransport):
     kind = "collective"
 
-    def __init__(self, plan: BucketPlan, num_receivers: int, cfg) -> None:
+    def __init__(self, plan: BucketPlan, num_receivers: int, cfg, host: str) -> None:
         super().__init__(plan, num_receivers, cfg)
         device = "cuda" if cfg.backend == "nccl" else "cpu"
         world = num_receivers + 1
-        self._store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        self._host = cfg.collective_host or _host()
-        self._group = _Group(cfg.backend, "127.0.0.1", self._store.port, 0, world, cfg.timeout_s)
-        self.slots = [Slot(torch.zeros(shm.HEADER_WORDS, dtype=torch.int64, device=device),
+        self._host = cfg.collective_host or host
+        # A socket we bound ourselves (TCPStore's own listener would take every interface); the
+        # store owns its descriptor from here on and closes it.
+        sock = socket.create_server((self._host, 0))
+        port = sock.getsockname()[1]
+        self._store = dist.TCPStore(self._host, port, world, is_master=True, wait_for_workers=False,
+                                    master_listen_fd=sock.detach(), timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        self._group = _Group(cfg.backend, self._host, self._store.port, 0, world, cfg.timeout_s, self._host)
+        self.slots = [Slot(torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device=device),
                            torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)) for _ in range(NUM_SLOTS)]
         for s in self.slots:
-            s.header[shm.H_VERSION] = shm.EMPTY
+            s.header[seg.H_VERSION] = seg.EMPTY
 
     def handle_info(self) -> dict[str, Any]:
         return {"host": self._host, "port": self._store.port, "backend": self.cfg.backend}
@@ -101,6 +113,7 @@ class CollectiveSender(SenderTransport):
     def close(self) -> None:
         self._group.close()
         self.slots = []
+        self._store = None
 
 
 class CollectiveReceiver(ReceiverTransport):
@@ -108,17 +121,17 @@ class CollectiveReceiver(ReceiverTransport):
         super().__init__(handle, rank)
         info = handle.info
         self._group = _Group(info["backend"], info["host"], info["port"], rank + 1, handle.num_receivers + 1,
-                             handle.timeout_s)
-        self._stage = shm.Segment(shm.new_name(f"coll-r{rank}"), self.plan.total_bytes, create=True)
+                             handle.timeout_s, _local_addr(info["host"], info["port"]))
+        self._stage = seg.Segment(seg.new_name(f"coll-r{rank}"), self.plan.total_bytes, create=True)
         self._cuda = info["backend"] == "nccl"
-        self._header = torch.zeros(shm.HEADER_WORDS, dtype=torch.int64, device="cuda" if self._cuda else "cpu")
+        self._header = torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device="cuda" if self._cuda else "cpu")
 
     async def fetch(self, version: int, timeout_s: float) -> str:
         await self._group.broadcast([self._header], f"version {version} pull", 1)
         # A mismatch here leaves the sender blocked on the buckets until its timeout: the run fails
         # on both sides, with this message being the cause.
-        shm.check_header(self._header.cpu(), version, self.plan.hash_int, f"collective push from {self._group.host}")
-        shm.begin_write(self._stage.header)
+        seg.check_header(self._header.cpu(), version, self.plan.hash_int, f"collective push from {self._group.host}")
+        seg.begin_write(self._stage.header)
         host_buckets = self.plan.buckets(self._stage.data)
         if self._cuda:  # receive on device, copy each bucket to its place in the host stage
             dev = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device="cuda")
@@ -127,7 +140,7 @@ class CollectiveReceiver(ReceiverTransport):
         else:
             views, after = host_buckets, None
         await self._group.broadcast(views, f"version {version} pull", 0, after)
-        shm.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+        seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
         return self._stage.name
 
     def close(self) -> None:

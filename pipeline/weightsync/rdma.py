@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pipeline.weightsync import shm
+from pipeline.weightsync import segment as seg
 from pipeline.weightsync.errors import ShortBufferError, TransportError
 from pipeline.weightsync.plan import BucketPlan
 from pipeline.weightsync.transport import (NUM_SLOTS, ReceiverTransport, SenderTransport, Slot, SyncHandle,
@@ -35,8 +35,8 @@ class RdmaSender(SenderTransport):
         RDMABuffer = _rdma().RDMABuffer
         self.slots, self._headers, self._buckets = [], [], []
         for _ in range(NUM_SLOTS):
-            header = torch.zeros(shm.HEADER_WORDS, dtype=torch.int64)
-            header[shm.H_MAGIC], header[shm.H_VERSION] = shm.MAGIC, shm.EMPTY
+            header = torch.zeros(seg.HEADER_WORDS, dtype=torch.int64)
+            header[seg.H_MAGIC], header[seg.H_VERSION] = seg.MAGIC, seg.EMPTY
             data = torch.empty(plan.total_bytes, dtype=torch.uint8)
             self.slots.append(Slot(header, data))
             self._headers.append(RDMABuffer(header.view(torch.uint8)))
@@ -57,8 +57,8 @@ class RdmaReceiver(ReceiverTransport):
         super().__init__(handle, rank)
         self._headers = handle.info["headers"]
         self._buckets = handle.info["buckets"]
-        self._stage = shm.Segment(shm.new_name(f"rdma-r{rank}"), self.plan.total_bytes, create=True)
-        self._local_headers = [torch.zeros(shm.HEADER_WORDS, dtype=torch.int64) for _ in range(NUM_SLOTS)]
+        self._stage = seg.Segment(seg.new_name(f"rdma-r{rank}"), self.plan.total_bytes, create=True)
+        self._local_headers = [torch.zeros(seg.HEADER_WORDS, dtype=torch.int64) for _ in range(NUM_SLOTS)]
         for slot, bufs in enumerate(self._buckets):
             if len(bufs) != self.plan.num_buckets:
                 raise ShortBufferError(f"rdma slot {slot} has {len(bufs)} buckets, plan {self.plan.hash} "
@@ -80,12 +80,12 @@ class RdmaReceiver(ReceiverTransport):
     async def fetch(self, version: int, timeout_s: float) -> str:
         async def versions() -> list[int]:
             await self._read_headers(list(range(NUM_SLOTS)), version, timeout_s)
-            return [int(h[shm.H_VERSION]) for h in self._local_headers]
+            return [int(h[seg.H_VERSION]) for h in self._local_headers]
 
         slot = await wait_for_version(versions, version, timeout_s, "the sender's rdma slots")
         where = f"rdma slot {slot} (owner {self._headers[slot].owner})"
-        shm.check_header(self._local_headers[slot], version, self.plan.hash_int, where)
-        shm.begin_write(self._stage.header)
+        seg.check_header(self._local_headers[slot], version, self.plan.hash_int, where)
+        seg.begin_write(self._stage.header)
         action = _rdma().RDMAAction()
         for buf, local in zip(self._buckets[slot], self.plan.buckets(self._stage.data)):
             action.read_remote(local, buf)
@@ -95,8 +95,8 @@ class RdmaReceiver(ReceiverTransport):
             raise TransportError(f"version {version}: rdma read of {self.plan.num_buckets} buckets "
                                  f"(0..{self.plan.num_buckets - 1}) from {where} failed: {e}") from e
         await self._read_headers([slot], version, timeout_s)
-        shm.check_header(self._local_headers[slot], version, self.plan.hash_int, where, after_read=True)
-        shm.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+        seg.check_header(self._local_headers[slot], version, self.plan.hash_int, where, after_read=True)
+        seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
         return self._stage.name
 
     def close(self) -> None:

@@ -6,7 +6,20 @@ import asyncio
 import time
 
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
-from pipeline.weightsync.transport import SyncHandle, make_receiver
+from pipeline.weightsync.transport import ReceiverTransport, SyncHandle
+
+
+def make_receiver(handle: SyncHandle, rank: int) -> ReceiverTransport:
+    if handle.kind == "shm":
+        from pipeline.weightsync.shm import ShmReceiver
+        return ShmReceiver(handle, rank)
+    if handle.kind == "rdma":
+        from pipeline.weightsync.rdma import RdmaReceiver
+        return RdmaReceiver(handle, rank)
+    if handle.kind == "collective":
+        from pipeline.weightsync.collective import CollectiveReceiver
+        return CollectiveReceiver(handle, rank)
+    raise ValueError(f"unknown weight-sync transport {handle.kind!r}")
 
 
 class WeightReceiver:

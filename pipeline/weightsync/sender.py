@@ -10,49 +10,65 @@ import torch
 
 from pipeline.config import WeightSyncConfig
 from pipeline.types import WeightVersion
-from pipeline.weightsync import shm
+from pipeline.weightsync import segment as seg
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
 from pipeline.weightsync.plan import BucketPlan
-from pipeline.weightsync.transport import NUM_SLOTS, SyncHandle, make_sender
+from pipeline.weightsync.transport import NUM_SLOTS, SenderTransport, SyncHandle
+
+
+def make_sender(kind: str, plan: BucketPlan, num_receivers: int, cfg, host: str = "127.0.0.1") -> SenderTransport:
+    """The sender side of transport `kind`; `host` is the address receivers reach this process at."""
+    if kind == "shm":
+        from pipeline.weightsync.shm import ShmSender
+        return ShmSender(plan, num_receivers, cfg)
+    if kind == "rdma":
+        from pipeline.weightsync.rdma import RdmaSender
+        return RdmaSender(plan, num_receivers, cfg)
+    if kind == "collective":
+        from pipeline.weightsync.collective import CollectiveSender
+        return CollectiveSender(plan, num_receivers, cfg, host)
+    raise ValueError(f"unknown weight-sync transport {kind!r}")
 
 
 class WeightSender:
     """Publishes versions of the trainer's weights to `num_receivers` WeightReceivers.
 
     Ordering contract:
-      * `push(sd, v)` = `pack(sd, v)` then `send(v)`. `pack` copies `sd` into the free slot and
-        returns; from then on the optimizer may overwrite `sd` (the next step overlaps the transfer).
+      * `publish(sd, v)` packs `sd` into the free slot, starts the transfer and returns: from then on
+        the optimizer may overwrite `sd` (the next step overlaps the transfer). `flush()` awaits the
+        transfer and re-raises its failure; the next `publish` flushes first. `push` = publish + flush.
       * Versions strictly increase (VersionRegressionError otherwise).
-      * Slot reuse: push k writes slot k % 2, overwriting the version of push k - 2. Every receiver
-        must have finished `pull` (and, for shm, `load_into_vllm`) of that older version before push k
-        starts; i.e. at most one sync may be outstanding while the next push begins. A receiver that
-        breaks the rule gets TornReadError, never silently mixed weights.
-      * rdma / shm: receivers pull; `pull(v)` may start before `push(v)` and waits (bounded by
-        timeout_s) until v is published. collective: `push(v)` broadcasts and blocks until every
-        receiver's `pull(v)` joins, so they must run concurrently.
+      * Slot reuse: publish k writes slot k % 2, overwriting the version of publish k - 2. Every
+        receiver must have finished `pull` (and, for shm, `load_into_vllm`) of that older version
+        before publish k starts: at most one sync may be outstanding while the next one begins
+        (pipeline.weightsync.sync.WeightSync keeps this). A receiver that breaks the rule gets
+        TornReadError, never silently mixed weights.
+      * rdma / shm: receivers pull; `pull(v)` may start before `publish(v)` and waits (bounded by
+        timeout_s) until v is published; the transfer has nothing to do on this side.
+        collective: the transfer is a broadcast that completes only once every receiver's `pull(v)`
+        has joined, so publish and the pulls run concurrently (publish returns before they finish).
 
     Example:
         # trainer rank 0, once:
         sender = WeightSender(cfg.weight_sync, hf_meta, num_receivers=G)
         handle = sender.handle()                       # send to every generator once
         # each generator, once:  receiver = WeightReceiver(handle, rank=g)
-        # each step (controller):
-        #   trainer: loss.backward(); opt.step(); v += 1
-        await asyncio.gather(
-            trainer.push_weights.call_one(v),          # -> sender.push(export_hf(model), v)
-            *[g.update_weights.call_one(v) for g in gens],  # -> receiver.pull(v); load_into_vllm(...)
-        )
-        # the next push may start only after this gather (slot reuse rule above).
+        # each step:
+        await sender.publish(export_hf(model), v)      # snapshot packed; optimizer may step now
+        await asyncio.gather(*[r.pull(v) for r in receivers])   # (in the generators' processes)
+        # the next publish may start only after every receiver loaded v (slot reuse rule above).
         sender.close()
     """
 
-    def __init__(self, cfg: WeightSyncConfig, state_dict_meta_or_sd: Mapping[str, object], num_receivers: int) -> None:
+    def __init__(self, cfg: WeightSyncConfig, state_dict_meta_or_sd: Mapping[str, object], num_receivers: int,
+                 host: str = "127.0.0.1") -> None:
         if num_receivers < 1:
             raise ValueError(f"WeightSender: num_receivers={num_receivers} must be >= 1")
         self.cfg = cfg
         self.plan = BucketPlan.from_state_dict(state_dict_meta_or_sd, cfg.bucket_mb << 20)
         self.num_receivers = num_receivers
-        self.transport = make_sender(cfg.transport, self.plan, num_receivers, cfg)
+        self.transport = make_sender(cfg.transport, self.plan, num_receivers, cfg, host)
+        self._sending: asyncio.Task | None = None
         for slot in self.transport.slots:  # fault the pages in now, not during the first pushes
             slot.data.zero_()
         self._pushes = 0
@@ -73,11 +89,11 @@ class WeightSender:
         slot_idx = self._pushes % NUM_SLOTS
         slot = self.transport.slots[slot_idx]
         t0 = time.perf_counter()
-        shm.begin_write(slot.header)
+        seg.begin_write(slot.header)
         self.plan.pack(hf_state_dict, slot.data, version)
         if slot.data.is_cuda:
             torch.cuda.synchronize(slot.data.device)
-        shm.end_write(slot.header, version, self.plan.hash_int, self.plan.total_bytes)
+        seg.end_write(slot.header, version, self.plan.hash_int, self.plan.total_bytes)
         self.last_timing = {"pack_s": time.perf_counter() - t0}
         self._pushes += 1
         self._last_version = version
@@ -99,11 +115,28 @@ class WeightSender:
         self.last_timing["send_s"] = time.perf_counter() - t0
         return WeightVersion(version, self.plan.hash, self.plan.num_buckets, self.plan.total_bytes)
 
-    async def push(self, hf_state_dict: Mapping[str, torch.Tensor], version: int) -> WeightVersion:
-        """pack + send; see the class docstring for what may overlap what."""
+    async def publish(self, hf_state_dict: Mapping[str, torch.Tensor], version: int) -> WeightVersion:
+        """Pack `version` and start its transfer; returns once `hf_state_dict` may change (see above)."""
+        await self.flush()
         # A thread, so a large copy does not stall the actor's event loop (torch drops the GIL).
         await asyncio.to_thread(self.pack, hf_state_dict, version)
-        return await self.send(version)
+        self._sending = asyncio.create_task(self.send(version), name=f"weightsync-send-v{version}")
+        return WeightVersion(version, self.plan.hash, self.plan.num_buckets, self.plan.total_bytes)
+
+    async def flush(self) -> None:
+        """Wait for the transfer started by the last publish; raises its error."""
+        if self._sending is not None:
+            task, self._sending = self._sending, None
+            await task
+
+    async def push(self, hf_state_dict: Mapping[str, torch.Tensor], version: int) -> WeightVersion:
+        """publish + flush: returns once the transfer is done (collective: every receiver joined)."""
+        wv = await self.publish(hf_state_dict, version)
+        await self.flush()
+        return wv
 
     def close(self) -> None:
+        if self._sending is not None:
+            self._sending.cancel()
+            self._sending = None
         self.transport.close()

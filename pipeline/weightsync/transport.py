@@ -1,4 +1,4 @@
-"""The transport interface and the same-host shared-memory transport.
+"""The transport interface every weight-sync transport implements (shm.py, rdma.py, collective.py).
 
 A transport moves the bytes of one packed version from the sender's slot to a place the receiver's
 vLLM engine process can map:
@@ -9,7 +9,8 @@ vLLM engine process can map:
     receiver side ReceiverTransport: `fetch(v)` returns the name of a shared-memory segment whose
                   header publishes v (its own staging segment, or for shm the sender's slot itself).
 
-`make_sender` / `make_receiver` pick the implementation from `WeightSyncConfig.transport`.
+WeightSender / WeightReceiver (sender.py, receiver.py) pick the implementation from
+`WeightSyncConfig.transport`; the implementations import this module, never each other.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from pipeline.weightsync import shm
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError
 from pipeline.weightsync.plan import BucketPlan
 
@@ -95,68 +95,3 @@ async def wait_for_version(read_versions: Callable[[], Awaitable[list[int]]], ve
                                    f"({where} hold versions {versions}; bucket 0 never became readable)")
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.05)
-
-
-# ---------------------------------------------------------------- shm
-
-
-class ShmSender(SenderTransport):
-    kind = "shm"
-
-    def __init__(self, plan: BucketPlan, num_receivers: int, cfg) -> None:
-        super().__init__(plan, num_receivers, cfg)
-        self._segs = [shm.Segment(shm.new_name(f"slot{i}"), plan.total_bytes, create=True) for i in range(NUM_SLOTS)]
-        self.slots = [Slot(s.header, s.data) for s in self._segs]
-
-    def handle_info(self) -> dict[str, Any]:
-        return {"segments": [s.name for s in self._segs]}
-
-    def close(self) -> None:
-        self.slots = []
-        for s in self._segs:
-            s.close()
-
-
-class ShmReceiver(ReceiverTransport):
-    """Zero-copy: the engine process maps the sender's slot directly; `fetch` only waits and checks."""
-
-    def __init__(self, handle: SyncHandle, rank: int) -> None:
-        super().__init__(handle, rank)
-        self._names = handle.info["segments"]
-        self._segs = [shm.Segment(n, self.plan.total_bytes, create=False) for n in self._names]
-
-    async def fetch(self, version: int, timeout_s: float) -> str:
-        async def versions() -> list[int]:
-            return [int(s.header[shm.H_VERSION]) for s in self._segs]
-
-        i = await wait_for_version(versions, version, timeout_s, "the sender's shm slots")
-        shm.check_header(self._segs[i].header, version, self.plan.hash_int, f"shm slot {self._names[i]}")
-        return self._names[i]
-
-    def close(self) -> None:
-        for s in self._segs:
-            s.close()
-
-
-def make_sender(kind: str, plan: BucketPlan, num_receivers: int, cfg) -> SenderTransport:
-    if kind == "shm":
-        return ShmSender(plan, num_receivers, cfg)
-    if kind == "rdma":
-        from pipeline.weightsync.rdma import RdmaSender
-        return RdmaSender(plan, num_receivers, cfg)
-    if kind == "collective":
-        from pipeline.weightsync.collective import CollectiveSender
-        return CollectiveSender(plan, num_receivers, cfg)
-    raise ValueError(f"unknown weight-sync transport {kind!r}")
-
-
-def make_receiver(handle: SyncHandle, rank: int) -> ReceiverTransport:
-    if handle.kind == "shm":
-        return ShmReceiver(handle, rank)
-    if handle.kind == "rdma":
-        from pipeline.weightsync.rdma import RdmaReceiver
-        return RdmaReceiver(handle, rank)
-    if handle.kind == "collective":
-        from pipeline.weightsync.collective import CollectiveReceiver
-        return CollectiveReceiver(handle, rank)
-    raise ValueError(f"unknown weight-sync transport {handle.kind!r}")

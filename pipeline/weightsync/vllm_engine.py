@@ -16,7 +16,7 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from pipeline.weightsync import shm
+from pipeline.weightsync import segment as segmod
 from pipeline.weightsync.errors import PlanMismatchError
 from pipeline.weightsync.plan import BucketPlan
 
@@ -41,7 +41,7 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._segments: dict[str, shm.Segment] = {}
+        self._segments: dict[str, segmod.Segment] = {}
         self._plans: dict[str, BucketPlan] = {}
         self._loaded: set[str] = set()
         self._version: int | None = None
@@ -63,11 +63,11 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
             plan = self._plans.setdefault(info.plan["hash"], BucketPlan.from_wire(info.plan))
         seg = self._segment(info.segment, plan.total_bytes)
         where = f"segment {info.segment}"
-        shm.check_header(seg.header, info.version, plan.hash_int, where)
+        segmod.check_header(seg.header, info.version, plan.hash_int, where)
         src = seg.data if self.device.type == "cpu" else seg.data.to(self.device, non_blocking=True)
         with disable_mtp_completeness_check():
             self.model.load_weights(plan.unpack(src, info.version))
-        shm.check_header(seg.header, info.version, plan.hash_int, where, after_read=True)
+        segmod.check_header(seg.header, info.version, plan.hash_int, where, after_read=True)
         self._loaded.update(e.name for e in plan.entries)
         self._version = info.version
 
@@ -108,12 +108,12 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
                 param.weight_loader(param, live[kernel.data_ptr()].detach().clone())
         return unloaded
 
-    def _segment(self, name: str, size: int) -> shm.Segment:
+    def _segment(self, name: str, size: int) -> segmod.Segment:
         seg = self._segments.get(name)
         if seg is None or seg.size < size:
             if seg is not None:
                 seg.close()
-            seg = self._segments[name] = shm.Segment(name, size, create=False)
+            seg = self._segments[name] = segmod.Segment(name, size, create=False)
         return seg
 
     def shutdown(self) -> None:

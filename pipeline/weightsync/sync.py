@@ -1,0 +1,140 @@
+"""WeightSync: the one object that owns the order of a weight push, for every transport and schedule.
+
+    sync = WeightSync(trainer, generators, cfg)     # trainer: actors.trainer.Trainer; generators: actor handles
+    await sync.attach(host)                         # sender on trainer rank 0, a receiver per generator
+    await sync.start(v)                             # returns once the trainer's snapshot of v is packed
+    ...                                             # the next train step may run here
+    seconds = await sync.wait()                     # every generator serves v (or the push's error)
+    seconds = await sync.push(v)                    # start + wait
+
+A push of version v has two phases per generator:
+
+    stage  the transport brings v into the generator's staging; generation goes on meanwhile
+    apply  the generator's on_update strategy (keep / abort / drain) around the vLLM load
+
+Ordering contract:
+  * trainer.push_weights (snapshot + pack on rank 0, transfer started) happens first and is awaited
+    by `start`: after it the optimizer may overwrite the live weights.
+  * Every generator stages v concurrently. For the pull transports (rdma, shm) that may start any
+    time after the pack. For `collective` it must: the broadcast needs the sender and every receiver
+    inside the call at once, and the sender's side is already running when `start` returns, so
+    staging them together is what makes send and receive overlap. Every receiver holding v means
+    the sender's side is done too; a failure on the sender's side fails the receivers' stage (or,
+    at the latest, the trainer's next push_weights, which awaits the previous transfer).
+  * apply follows once every stage is done: one generator at a time when `generator.rolling` (the
+    others keep generating), else all at once. A generator that does not report v afterwards fails
+    the push: a generator silently serving stale weights is the worst bug this system can have.
+  * At most one push is in flight: `start(v+1)` first awaits the push of v, since the trainer's
+    slot of v-1 is overwritten by v+1 and a receiver must never read a slot being rewritten.
+  * Every call is bounded: the transfer by weight_sync.timeout_s, apply by that plus
+    generator.request_timeout_s (drain waits for in-flight requests). A failed push raises
+    RunError from `wait` (or from the next `start`), naming the generator and the version.
+
+Example:
+    sync = WeightSync(trainer, gens, cfg)
+    await sync.attach("127.0.0.1")
+    for step in range(steps):
+        batch = await buffer.get_batch(...)
+        await trainer.train_step(batch)             # version v = step + 1
+        await sync.start(v)                          # overlaps the next iteration's batch wait and step
+    await sync.wait()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Sequence
+
+from pipeline.config import Config
+
+
+class SyncError(RuntimeError):
+    """A weight push failed or timed out; the message names the generator, the phase and the version."""
+
+
+async def _bounded(what: str, aw, timeout_s: float):
+    try:
+        return await asyncio.wait_for(aw, timeout_s)
+    except asyncio.TimeoutError:
+        raise SyncError(f"{what} did not finish within {timeout_s:.0f}s") from None
+
+
+class WeightSync:
+    def __init__(self, trainer: Any, generators: Sequence[Any], cfg: Config) -> None:
+        self.trainer, self.generators, self.cfg = trainer, list(generators), cfg
+        self._task: asyncio.Task | None = None
+        self.last: dict[str, float] = {}
+        """Timing of the last finished push: total_s, pack_s, stage_s, apply_s (seconds)."""
+
+    @property
+    def kind(self) -> str:
+        return self.cfg.weight_sync.transport
+
+    async def attach(self, host: str = "127.0.0.1") -> None:
+        """Build the sender on trainer rank 0 and a receiver on every generator. `host`: the address
+        generators reach trainer rank 0's host at (collective). Calling it again rewires the transport."""
+        await self.wait()
+        handle = await self.trainer.sync_handle(len(self.generators), host, self.cfg.weight_sync)
+        await _bounded("attach weights", asyncio.gather(
+            *[g.attach_weights.call_one(handle) for g in self.generators]), self.cfg.weight_sync.timeout_s)
+
+    async def start(self, version: int) -> None:
+        """Pack v on the trainer and start delivering it; returns once the trainer may step again."""
+        await self.wait()
+        t0 = time.monotonic()
+        await self.trainer.push_weights()
+        packed = time.monotonic()
+        self._task = asyncio.create_task(self._deliver(version, t0, packed), name=f"weight-push-v{version}")
+
+    async def wait(self) -> float:
+        """Wait for the push in flight (if any); raises its error. Seconds end to end of the last push."""
+        if self._task is not None:
+            task, self._task = self._task, None
+            await task
+        return self.last.get("total_s", float("nan"))
+
+    async def push(self, version: int) -> float:
+        await self.start(version)
+        return await self.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _deliver(self, version: int, t0: float, packed: float) -> None:
+        ws, g = self.cfg.weight_sync, self.cfg.generator
+        await _bounded(f"weight push v{version}: stage over {self.kind}", asyncio.gather(
+            *[self._stage(i, gen, version) for i, gen in enumerate(self.generators)]), ws.timeout_s + 30)
+        staged = time.monotonic()
+        apply_timeout = ws.timeout_s + g.request_timeout_s
+        if g.rolling:
+            for i, gen in enumerate(self.generators):
+                await self._apply(i, gen, version, apply_timeout)
+        else:
+            await asyncio.gather(*[self._apply(i, gen, version, apply_timeout)
+                                   for i, gen in enumerate(self.generators)])
+        done = time.monotonic()
+        self.last = {"total_s": done - t0, "pack_s": packed - t0, "stage_s": staged - packed, "apply_s": done - staged}
+
+    async def _stage(self, i: int, gen: Any, version: int) -> None:
+        try:
+            await gen.stage_weights.call_one(version)
+        except Exception as e:
+            raise SyncError(f"generator{i}: staging weight version {version} over {self.kind} failed: {e}") from e
+
+    async def _apply(self, i: int, gen: Any, version: int, timeout_s: float) -> None:
+        on_update = self.cfg.generator.on_update
+        try:
+            served = await _bounded(f"generator{i}.apply_weights({version})", gen.apply_weights.call_one(version, on_update),
+                                    timeout_s)
+        except SyncError:
+            raise
+        except Exception as e:
+            raise SyncError(f"generator{i}: loading weight version {version} failed: {e}") from e
+        if served != version:
+            raise SyncError(f"generator{i} serves version {served} after apply_weights({version})")
