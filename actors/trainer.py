@@ -9,10 +9,11 @@
     await trainer.export_hf(out_dir)                   # vLLM-loadable HF directory
     await trainer.close()
 
-Rendezvous: rank 0 alone reports where the others reach it (`rendezvous_point`: 127.0.0.1 on one host,
-else its host's address, the one Monarch's TCP channels advertise) and a port free there; then every
-rank runs `setup(addr, port)`: global rank = host index * ranks per host + local index, world =
-trainer.num_ranks, and joins `init_process_group` over tcp://, so FSDP2 spans every host.
+Rendezvous: rank 0 alone opens a listening socket where the others reach it (`rendezvous_point`:
+127.0.0.1 on one host, so a single-host run listens on loopback only; else its host's address, the one
+Monarch's TCP channels advertise) and reports (addr, port). Then every rank runs `setup(addr, port)`:
+global rank = host index * ranks per host + local index, world = trainer.num_ranks; rank 0 serves the
+TCPStore on that socket, the others connect, and `init_process_group` spans every host (FSDP2).
 Every endpoint is called on all ranks (FSDP forward/backward, gathers and checkpoints are
 collectives); rank 0's answer is returned. Every call is bounded by `trainer.step_timeout_s`
 (`init_timeout_s` for setup) and a failure on any rank is raised with that rank's error.
@@ -21,6 +22,7 @@ collectives); rank 0's answer is returned. Every call is bounded by `trainer.ste
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -41,6 +43,7 @@ class TrainerActor(Actor):
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.listener: socket.socket | None = None  # rank 0: the rendezvous store's socket
         self.core: TrainCore | None = None
         self.sender = None  # pipeline.weightsync.WeightSender on rank 0 after sync_handle
 
@@ -51,10 +54,11 @@ class TrainerActor(Actor):
 
     @endpoint
     async def rendezvous_point(self, multi_host: bool) -> tuple[str, int]:
-        """Called on rank 0 only, before setup: the address other ranks reach this host at and a port
-        free on it. One host: loopback, so a single-host run listens on nothing else."""
+        """Called on rank 0 only, before setup: listen where the other ranks reach this host (bound
+        now, so no other process can take the port before setup) and report (addr, port)."""
         addr = socket.gethostbyname(socket.getfqdn()) if multi_host else "127.0.0.1"
-        return addr, free_port(addr)
+        self.listener = socket.create_server((addr, 0), backlog=1024)
+        return addr, self.listener.getsockname()[1]
 
     @endpoint
     async def setup(self, addr: str, port: int) -> dict:
@@ -67,10 +71,17 @@ class TrainerActor(Actor):
         torch.set_num_threads(tcfg.cpu_threads or max(1, (os.cpu_count() or 1) // per_host))
         if tcfg.device == "cuda":
             torch.cuda.set_device(local % torch.cuda.device_count())
+        if ipaddress.ip_address(addr).is_loopback:  # one host: gloo's pairs listen on loopback too
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch.distributed as dist
 
-        dist.init_process_group(tcfg.backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=tcfg.init_timeout_s))
+        if rank == 0 and self.listener is None:
+            raise RuntimeError("trainer: setup on rank 0 before rendezvous_point")
+        timeout = timedelta(seconds=tcfg.init_timeout_s)
+        # A store given the listening socket serves on its address only (a plain TCPStore binds every interface).
+        store = dist.TCPStore(addr, port, is_master=rank == 0, timeout=timeout, use_libuv=True,
+                              master_listen_fd=self.listener.fileno() if rank == 0 else None)
+        dist.init_process_group(tcfg.backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.core = TrainCore(self.cfg, rank, world)
         return {"rank": rank, "world": world, "host": host, "pid": os.getpid(), "version": self.core.version}
 
@@ -125,13 +136,6 @@ class TrainerActor(Actor):
         if self.sender is None:
             raise RuntimeError("trainer: push_weights before sync_handle(num_receivers)")
         return await self.sender.publish(sd, core.version)
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port free on `addr` now (another process may take it before it is bound again)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
 
 
 class Trainer:

@@ -117,6 +117,9 @@ class GeneratorConfig:
     """Generate exactly max_new_tokens, ignoring EOS (fixed-length workloads for benchmarks and tests)."""
     admit_wait_s: float = 0.5
     """Longest a generator waits in one admit() call when the buffer is closed before retrying (0 < s <= 60)."""
+    placement: str = "spread"
+    """Hosts of a multi-host job the generators run on: spread (generator i on host i mod hosts) |
+    first (all on the first host, with the buffer and trainer rank 0). One host: no difference."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_generators <= 64, "generator.num_generators", self.num_generators, "1..64")
@@ -136,6 +139,7 @@ class GeneratorConfig:
         _check(self.request_timeout_s > 0, "generator.request_timeout_s", self.request_timeout_s, "> 0")
         _choice("generator.logprobs_mode", self.logprobs_mode, ("processed", "raw"))
         _check(0 < self.admit_wait_s <= 60, "generator.admit_wait_s", self.admit_wait_s, "0 < s <= 60")
+        _choice("generator.placement", self.placement, ("spread", "first"))
         # A partial saved at a stage end resumes under newer weights, so drain's one-version promise breaks.
         _check(not (self.on_update == "drain" and self.carry_over == "save"), "generator.carry_over",
                self.carry_over, "'keep' when generator.on_update='drain'")
