@@ -97,10 +97,12 @@ class GeneratorConfig:
     max_new_tokens: int = 16
     """Completion length cap (1..32768)."""
     temperature: float = 1.0
-    """Sampling temperature (0 < t <= 10); the trainer scores softmax(logits / temperature) to match."""
+    """Sampling temperature (0 < t <= 10); the trainer scores softmax(logits / temperature) to match,
+    so with t != 1 the sampler must report processed logprobs (generator.logprobs_mode)."""
     top_p: float = 1.0
-    """Nucleus sampling mass (0 < p <= 1). Below 1 the sampler's logprobs are of the truncated
-    distribution and the learner's are not: the off-policy correction (trainer.correction) absorbs it."""
+    """Nucleus sampling mass; only 1 is accepted for RL. Below 1 the sampler's logprobs are of the
+    truncated, renormalised distribution, which the learner (full softmax) cannot score: every
+    importance ratio would be biased low by the kept mass, and no trainer.correction undoes that."""
     kv_cache_gib: int = 1
     """vLLM CPU KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE), 1..1024."""
     gpu_memory_utilization: float = 0.5
@@ -112,7 +114,8 @@ class GeneratorConfig:
     request_timeout_s: float = 300.0
     """Seconds one generation request may take before it fails."""
     logprobs_mode: str = "processed"
-    """Behaviour logprobs: processed (after temperature / top-p, the distribution actually sampled) | raw (model logits)."""
+    """Behaviour logprobs: processed (after temperature, the distribution actually sampled; what the
+    learner scores) | raw (log_softmax of the unscaled logits; only consistent with temperature=1)."""
     ignore_eos: bool = False
     """Generate exactly max_new_tokens, ignoring EOS (fixed-length workloads for benchmarks and tests)."""
     admit_wait_s: float = 0.5
@@ -161,10 +164,12 @@ class BufferConfig:
     """Smallest adaptive Δ (0..delta_max)."""
     delta_max: int = 8
     """Largest adaptive Δ (>= delta_min)."""
-    window: int = 4
-    """w: steps in the reward-slope window of the adaptive Δ controller (2..1000)."""
-    slope_threshold: float = 0.0
-    """Reward slope per step above which Δ grows (>= 0)."""
+    window: int = 8
+    """w: steps in the reward-slope window of the adaptive Δ controller (3..1000; the slope's
+    standard error has w - 2 degrees of freedom, so small windows make the t-statistic erratic)."""
+    slope_tstat: float = 2.0
+    """Δ grows only while the window's reward slope / its standard error exceeds this (>= 0), i.e.
+    while the reward is significantly rising; otherwise Δ decays. 0 grows on any positive slope."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's reward std."""
     zero_signal: str = "keep"
@@ -180,8 +185,8 @@ class BufferConfig:
         _check(0 <= self.delta <= 65536, "buffer.delta", self.delta, "0..65536")
         _check(0 <= self.delta_min <= self.delta_max, "buffer.delta_min", self.delta_min,
                f"0..delta_max={self.delta_max}")
-        _check(2 <= self.window <= 1000, "buffer.window", self.window, "2..1000")
-        _check(self.slope_threshold >= 0, "buffer.slope_threshold", self.slope_threshold, ">= 0")
+        _check(3 <= self.window <= 1000, "buffer.window", self.window, "3..1000")
+        _check(self.slope_tstat >= 0, "buffer.slope_tstat", self.slope_tstat, ">= 0")
         _choice("buffer.zero_signal", self.zero_signal, ("keep", "drop"))
         _check(self.batch_timeout_s > 0, "buffer.batch_timeout_s", self.batch_timeout_s, "> 0")
 
@@ -199,13 +204,21 @@ class TrainerConfig:
     lr: float = 3e-4
     """AdamW learning rate (0 < lr <= 1)."""
     warmup_steps: int = 0
-    """Linear LR warmup steps (>= 0)."""
+    """Linear LR warmup, in optimizer steps (>= 0); a batch takes minibatches * epochs of them."""
     weight_decay: float = 0.0
     """AdamW weight decay (>= 0)."""
     grad_clip: float = 1.0
     """Max global grad norm (> 0)."""
     clip_eps: float = 0.2
     """PPO clip ε (0 < ε < 1)."""
+    dual_clip: float = 3.0
+    """c of dual-clip PPO: for negative-advantage tokens the objective is bounded at c·A, so a
+    token whose ratio has run far above 1 cannot push the loss without limit; 0 disables; otherwise > 1."""
+    minibatches: int = 1
+    """Optimizer steps per batch per epoch: the batch's rows split into this many minibatches
+    (1..1024, at most the batch's sample count buffer.batch_groups * buffer.group_size)."""
+    epochs: int = 1
+    """Passes over the batch (1..100); π_old stays the policy from before the batch's first step."""
     correction: str = "tis"
     """Off-policy correction: none | tis | seq_is | mis | ppo_is | vanilla_is."""
     is_cap: float = 2.0
@@ -242,6 +255,9 @@ class TrainerConfig:
         _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
         _check(self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "> 0")
         _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "0 < eps < 1")
+        _check(self.dual_clip == 0 or self.dual_clip > 1, "trainer.dual_clip", self.dual_clip, "0 (off) or > 1")
+        _check(1 <= self.minibatches <= 1024, "trainer.minibatches", self.minibatches, "1..1024")
+        _check(1 <= self.epochs <= 100, "trainer.epochs", self.epochs, "1..100")
         _choice("trainer.correction", self.correction, ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is"))
         _check(self.is_cap >= 1, "trainer.is_cap", self.is_cap, ">= 1")
         _check(0 <= self.mis_low < 1, "trainer.mis_low", self.mis_low, "0 <= low < 1")
@@ -336,6 +352,19 @@ class Config:
                self.generator.engine, "'vllm' when trainer.device='cuda'")
         _check(self.weight_sync.transport != "collective" or self.weight_sync.backend == self.trainer.backend,
                "weight_sync.backend", self.weight_sync.backend, f"equal to trainer.backend={self.trainer.backend!r}")
+        g = self.generator
+        # The learner scores softmax(logits / T); raw logprobs are of softmax(logits), so every IS
+        # ratio would compare two different distributions.
+        _check(g.logprobs_mode == "processed" or g.temperature == 1.0, "generator.logprobs_mode", g.logprobs_mode,
+               f"'processed' when generator.temperature={g.temperature} != 1 (the learner scores "
+               "softmax(logits / temperature), the distribution processed logprobs describe)")
+        _check(g.top_p == 1.0, "generator.top_p", g.top_p,
+               "1.0 for RL: with top_p < 1 the sampler's logprobs are of the truncated, renormalised "
+               "distribution, which the learner cannot score, so every importance ratio is biased low")
+        n = self.buffer.batch_groups * self.buffer.group_size
+        _check(self.trainer.minibatches <= n, "trainer.minibatches", self.trainer.minibatches,
+               f"at most the batch's {n} samples (buffer.batch_groups * buffer.group_size); "
+               "an empty minibatch would be an optimizer step without data")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -4,24 +4,39 @@ Pure functions on tensors (no model, no torch.distributed). All per-token inputs
 *shifted* to the prediction layout `[N, T-1]` (see pipeline/types.py): column `t` is the logprob of
 `input_ids[:, t+1]`, so callers pass `behaviour_logprobs[:, 1:]` and `loss_mask[:, 1:]`.
 
-Notation (ARCHITECTURE.md, "Importance sampling"): `logp` = log π_θ (carries the gradient),
-`old` = log π_old (learner, weights before the step; detached), `mu` = log μ (sampler).
+Three policies meet in one loss (the decoupled PPO objective of asynchronous RL, as in AReaL):
+μ, the sampler that generated the tokens (vLLM, possibly several versions behind, its logprobs
+shipped with each rollout); π_old, the learner's policy before this batch's first optimizer step
+(the proximal policy the PPO clip is anchored to, constant over all minibatches and epochs of the
+batch); π_θ, the policy being optimised. `logp` = log π_θ (carries the gradient), `old` = log π_old
+(detached), `mu` = log μ. The importance weight w corrects for sampling from μ instead of π_old; the
+clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old numerically, so r = 1.
 
-    ρ  = exp(old − mu)                       sampler → learner importance ratio (detached)
-    r  = exp(logp − old)                     PPO ratio (ppo_is: exp(logp − mu))
-    ℓ  = −w · min(r·A, clip(r, 1−ε, 1+ε)·A)  per token, plus kl_coef · KL(π_θ ‖ π_ref)
+    ρ   = exp(old − mu)                       sampler → learner importance ratio (detached)
+    r   = exp(logp − old)                     PPO ratio (ppo_is: exp(logp − mu))
+    s   = min(r·A, clip(r, 1−ε, 1+ε)·A)       clipped surrogate
+    s'  = max(s, c·A) if A < 0 and c > 0      dual clip (c = dual_clip): bounds the objective of a
+          else s                              negative-advantage token whose r ran far above 1
+    ℓ   = −w · s'                             per token, plus kl_coef · KL(π_θ ‖ π_ref)
 
     none        w = 1
     tis         w = min(ρ, C)
     vanilla_is  w = ρ
-    seq_is      w = min(exp(Σ_t mask·(old − mu)), C), one weight per sequence
+    seq_is      w = min(exp(clamp(Σ_t mask·(old − mu), ±20)), C), one weight per sequence
     mis         w = ρ · 1[lo ≤ ρ ≤ hi]   (tokens outside the window are dropped; the normaliser
                                           keeps them, so dropping never up-weights the rest)
     ppo_is      w = 1, r = exp(logp − mu)
 
+Per-token log-ratios are clamped to ±20 before exp (a wild sampler logprob gives a huge but finite
+weight); seq_is clamps only the sum, since clamping each token first would change the product.
+
 Aggregation: token_mean divides Σ ℓ·mask by the token count; seq_mean averages each sequence's
 token mean over sequences. The denominators are arguments so a data-parallel trainer can pass
 *global* counts and get the same loss and gradient as a single rank.
+
+Metrics: is_ess_raw = (Σρ)² / (n·Σρ²) over the n loss tokens, how far μ is from π_old; is_ess, the
+same on the weights w the loss applies (after truncation / masking; 1 for none and ppo_is), how
+many tokens the update effectively learns from.
 """
 
 from __future__ import annotations
@@ -39,9 +54,9 @@ def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
     """Per-token importance weight w [N, T-1] (detached) for the configured correction, and a bool
     mask of the loss tokens the correction truncated or dropped (for the `is_clip_frac` metric)."""
     mask = mask.to(old.dtype)
-    log_rho = (old - mu).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO) * mask
-    rho = torch.exp(log_rho)
     on = mask > 0
+    diff = torch.where(on, (old - mu).detach(), torch.zeros_like(old))  # where, not ·mask: inf·0 = nan
+    rho = torch.exp(diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     c = cfg.correction
     if c in ("none", "ppo_is"):
         return torch.ones_like(rho), torch.zeros_like(on)
@@ -53,7 +68,8 @@ def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
         keep = (rho >= cfg.mis_low) & (rho <= cfg.mis_high)
         return torch.where(keep, rho, torch.zeros_like(rho)), ~keep & on
     if c == "seq_is":
-        seq = torch.exp(log_rho.sum(dim=1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        # Clamp the sum only: a sequence whose token log-ratios cancel is not a wild sequence.
+        seq = torch.exp(diff.sum(dim=1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         return seq.clamp(max=cfg.is_cap)[:, None].expand_as(rho), (seq > cfg.is_cap)[:, None] & on
     raise ValueError(f"losses: unknown trainer.correction={c!r}")
 
@@ -87,7 +103,8 @@ def policy_loss(
 
     `denominators` = (global token count, global sequence count); defaults to this shard's.
     The returned sums are detached: `clip_tokens` (tokens where the clipped branch is active),
-    `is_clip_tokens` (tokens the correction truncated or dropped), `kl_sum`, `tokens`.
+    `dual_clip_tokens` (negative-advantage tokens held at c·A by the dual clip), `is_clip_tokens`
+    (tokens the correction truncated or dropped), `kl_sum`, `tokens`.
     """
     mask = mask.to(logp.dtype)
     old, mu = old.detach(), mu.detach()
@@ -97,6 +114,14 @@ def policy_loss(
     ratio = torch.exp((logp - base).clamp(max=_MAX_LOG_RATIO))
     clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if cfg.dual_clip > 0:
+        # For A < 0 the clipped surrogate is A·max(r, 1−ε), unbounded below as r grows, so one
+        # token with a huge r would dominate the batch. At the bound the token has no gradient;
+        # a tie (s = c·A) keeps the surrogate's gradient.
+        bound = cfg.dual_clip * adv
+        dual = (adv < 0) & (surrogate < bound)
+        surrogate = torch.where(dual, bound, surrogate)
     w, affected = is_weights(old, mu, mask, cfg)
     per_token = -w * surrogate
     kl = torch.zeros_like(logp)
@@ -108,6 +133,7 @@ def policy_loss(
         clip_active = (clipped * adv < ratio * adv) & (mask > 0)
         stats = {
             "clip_tokens": clip_active.sum().to(torch.float64),
+            "dual_clip_tokens": (dual & (mask > 0)).sum().to(torch.float64),
             "is_clip_tokens": affected.sum().to(torch.float64),
             "kl_sum": (kl * mask).sum().to(torch.float64),
             "tokens": mask.sum().to(torch.float64),
@@ -125,8 +151,10 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, n_t
     raise ValueError(f"losses: unknown trainer.aggregation={aggregation!r}")
 
 
-def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-shard sums describing sampler (μ) vs learner (π_old) disagreement on the sampled tokens.
+def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
+                  cfg: TrainerConfig) -> dict[str, torch.Tensor]:
+    """Per-shard sums describing sampler (μ) vs learner (π_old) disagreement on the sampled tokens,
+    and the importance weights `cfg.correction` applies to them.
 
     Sum keys can be all-reduced with SUM, `mismatch_max` with MAX; `finalize_mismatch` turns them
     into the logged metrics. Sequences without loss tokens are skipped.
@@ -138,6 +166,7 @@ def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> di
         has = n > 0
         log_rho = ((old - mu) * mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         rho = torch.exp(log_rho) * mask
+        w = is_weights(old, mu, mask, cfg)[0] * mask
         per_max = diff.max(dim=1).values
         return {
             "seqs": has.sum().double(),
@@ -147,6 +176,8 @@ def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor) -> di
             "tokens": mask.sum(),
             "rho_sum": rho.sum(),
             "rho_sq_sum": (rho * rho).sum(),
+            "w_sum": w.sum(),
+            "w_sq_sum": (w * w).sum(),
             "mismatch_max": per_max.max() if per_max.numel() else torch.zeros((), dtype=torch.float64),
         }
 
@@ -156,15 +187,21 @@ def finalize_mismatch(s: dict[str, float]) -> dict[str, float]:
 
     mismatch_resp_max / mismatch_resp_mean: mean over responses of the per-response max / mean of
     |p_sampler − p_learner|; mismatch_max: the largest token gap in the batch; kl_sampler_learner:
-    k1 estimate of KL(μ ‖ π_old) = E_μ[log μ − log π_old]; is_ess: (Σρ)² / (n·Σρ²) over tokens.
+    k1 estimate of KL(μ ‖ π_old) = E_μ[log μ − log π_old]; is_ess_raw: (Σρ)² / (n·Σρ²) over
+    tokens; is_ess: the same on the applied weights w (0 when the correction zeroed every token).
     """
     seqs, tok = max(s["seqs"], 1.0), max(s["tokens"], 1.0)
+
+    def ess(total: float, sq: float) -> float:
+        return total * total / (tok * sq) if sq > 0 else (0.0 if s["tokens"] > 0 else 1.0)
+
     return {
         "mismatch_resp_max": s["resp_max_sum"] / seqs,
         "mismatch_resp_mean": s["resp_mean_sum"] / seqs,
         "mismatch_max": s["mismatch_max"],
         "kl_sampler_learner": s["k1_sum"] / tok,
-        "is_ess": (s["rho_sum"] ** 2) / (tok * s["rho_sq_sum"]) if s["rho_sq_sum"] > 0 else 1.0,
+        "is_ess_raw": ess(s["rho_sum"], s["rho_sq_sum"]),
+        "is_ess": ess(s["w_sum"], s["w_sq_sum"]),
     }
 
 

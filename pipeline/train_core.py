@@ -6,17 +6,29 @@ RL and SFT steps, distributed checkpoints, HF export.
     core.save(path); core.load(path)        # torch.distributed.checkpoint + trainer_state.json
     core.export_hf(out_dir)                 # vLLM-loadable HF directory (collective; rank 0 writes)
 
-Data parallelism: rank r trains on `tensor_split(range(N), world)[r]`. Loss denominators are the
-*global* token / sequence counts (every rank sees the full batch, so no collective is needed for
-them), and each rank's loss is scaled by `world` because FSDP2 averages gradients across ranks;
-the sum of shard gradients then equals the single-rank gradient. Every rank runs the same number
-of micro-batches (an empty one runs a zero-weighted row) so FSDP collectives always pair up.
+PPO minibatches and epochs: one batch is one policy version. log π_old is taken once, with the
+weights from before the batch's first optimizer step; then for each of `trainer.epochs` passes the
+rows `tensor_split(range(N), trainer.minibatches)` each get a forward/backward (accumulated over
+micro-batches of `trainer.micro_batch_size`), a gradient clip and an optimizer step. The PPO ratio
+π_θ / π_old leaves 1 after the first of them, which is what makes the clip bite; the IS weight keeps
+correcting μ → π_old with the sampler's logprobs (decoupled objective, see pipeline/losses.py). The
+LR scheduler steps once per optimizer step, so trainer.warmup_steps counts optimizer steps. With
+minibatches = epochs = 1 this is one plain step on the whole batch.
+
+Data parallelism: each minibatch is split across ranks, rank r training on
+`tensor_split(minibatch_rows, world)[r]`, so the union over ranks is the single-rank minibatch.
+Loss denominators are the minibatch's *global* token / sequence counts (every rank sees the full
+batch, so no collective is needed for them), and each rank's loss is scaled by `world` because
+FSDP2 averages gradients across ranks; the sum of shard gradients then equals the single-rank
+gradient. Every rank runs the same number of micro-batches per minibatch, computed from the global
+minibatch size (an empty one runs a zero-weighted row), so FSDP collectives always pair up.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,12 +38,42 @@ import torch.nn.functional as F
 from pipeline import losses
 from pipeline.config import Config
 from pipeline.model import build_model, export_hf, model_dir, read_hf_config, save_hf_checkpoint
-from pipeline.train_checks import check_batch, check_sft
+from pipeline.train_checks import BadBatchError, check_batch, check_sft
 from pipeline.types import Batch
 
 
 class NonFiniteLossError(FloatingPointError):
-    """The step's loss or gradient norm was NaN/inf; the weights were left untouched."""
+    """An optimizer step's loss or gradient norm was NaN/inf; that step's weight update was not
+    applied. With several minibatches, the steps of the same batch before it stay applied (nothing
+    is snapshotted) and the version does not advance: treat the run as failed."""
+
+
+def minibatch_plan(n: int, minibatches: int, world: int, rank: int,
+                   micro_batch_size: int) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, float]]]]:
+    """Per minibatch: (its global row indices, this rank's micro-batches as (rows, weight)).
+
+    Weight 0 marks a padding micro-batch (one dummy row): its count depends only on the global
+    minibatch size, so every rank runs the same number of forwards and backwards per step.
+    """
+    plan = []
+    for mb in torch.tensor_split(torch.arange(n), minibatches):
+        rows = torch.tensor_split(mb, world)[rank]
+        most = math.ceil(len(mb) / world)
+        k = max(1, math.ceil(most / (micro_batch_size or max(most, 1))))
+        chunks = torch.tensor_split(rows, k) if len(rows) else [rows] * k
+        plan.append((mb, [(c, 1.0) if len(c) else (torch.zeros(1, dtype=torch.long), 0.0) for c in chunks]))
+    return plan
+
+
+@dataclass
+class _Proximal:
+    """π_old of one batch on this rank: log π_old (and log π_ref) per row from pre-step forwards,
+    and the once-per-batch metric sums (sampler/learner mismatch, π_old entropy)."""
+
+    logp: torch.Tensor
+    ref: torch.Tensor | None
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    mx: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
 
 class TrainCore:
@@ -64,6 +106,9 @@ class TrainCore:
             self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
         self.version = 0
         self.samples_seen = 0
+        # The sampler's logprobs are of the temperature-scaled distribution it sampled from
+        # (generator.logprobs_mode=processed, enforced by Config), so the learner scores the same.
+        self.temperature = cfg.generator.temperature
 
     def _build(self, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
         model, adapter = build_model(self.hf_dir, self.device, dtype)
@@ -77,18 +122,9 @@ class TrainCore:
 
     # ------------------------------------------------------------------ steps
 
-    def _shard_rows(self, n: int) -> tuple[torch.Tensor, int]:
-        """This rank's sample indices and the micro-batch count every rank runs."""
-        rows = torch.tensor_split(torch.arange(n), self.world)[self.rank]
-        most = math.ceil(n / self.world)
-        mbs = self.tcfg.micro_batch_size or max(most, 1)
-        return rows, max(1, math.ceil(most / mbs))
-
-    def _micro_batches(self, n: int):
-        """Yield (row indices, weight) per micro-batch; weight 0 marks a padding micro-batch."""
-        rows, k = self._shard_rows(n)
-        for chunk in torch.tensor_split(rows, k) if len(rows) else [rows] * k:
-            yield (chunk, 1.0) if len(chunk) else (torch.zeros(1, dtype=torch.long), 0.0)
+    def _micro_batches(self, n: int) -> list[tuple[torch.Tensor, float]]:
+        """This rank's (row indices, weight) micro-batches of all n rows taken as one minibatch."""
+        return minibatch_plan(n, 1, self.world, self.rank, self.tcfg.micro_batch_size)[0][1]
 
     def _logprobs(self, model: torch.nn.Module, ids: torch.Tensor,
                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,52 +132,103 @@ class TrainCore:
         return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1), logits
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One RL optimizer step on `batch`; raises before touching the weights on bad input or a
-        non-finite loss / gradient norm. Returns globally reduced metrics (same on every rank)."""
+        """One batch = one policy version: trainer.minibatches × trainer.epochs optimizer steps
+        against a fixed π_old (module docstring). Raises before touching the weights on bad input;
+        a non-finite loss or gradient norm raises NonFiniteLossError before that step's update.
+        Returns globally reduced metrics (same on every rank); per-step ones are averaged over the
+        batch's optimizer steps."""
         check_batch(batch, self.vocab_size)
+        t = self.tcfg
+        if batch.num_samples < t.minibatches:
+            raise BadBatchError(f"trainer: batch has {batch.num_samples} samples, fewer than "
+                                f"trainer.minibatches={t.minibatches}")
         mask_all = batch.loss_mask[:, 1:].float()
-        denominators = losses.local_denominators(mask_all)  # the full batch: global counts
+        plan = minibatch_plan(batch.num_samples, t.minibatches, self.world, self.rank, t.micro_batch_size)
         self.model.train()
-        sums: dict[str, torch.Tensor] = {}
-        maxes = torch.zeros((), dtype=torch.float64)
-        for rows, keep in self._micro_batches(batch.num_samples):
-            ids = batch.input_ids[rows].to(self.device)
-            mask = mask_all[rows].to(self.device) * keep
-            mu = batch.behaviour_logprobs[rows, 1:].to(self.device).float()
-            # The sampler's logprobs are of the temperature-scaled distribution it sampled from
-            # (generator.logprobs_mode=processed), so the learner scores the same distribution.
-            logp, logits = self._logprobs(self.model, ids, self.cfg.generator.temperature)
-            old = logp.detach()  # one epoch per batch: π_old is the pre-step policy, numerically π_θ
-            ref = None
-            if self.ref_model is not None:
+        prox = _Proximal(torch.zeros(mask_all.shape, device=self.device),
+                         torch.zeros(mask_all.shape, device=self.device) if self.ref_model is not None else None)
+        # π_old of minibatches 1.. with the pre-step weights, before any update. Minibatch 0's is
+        # its own first forward (the weights are still pre-step then), which saves that forward and
+        # keeps minibatches = epochs = 1 exactly the single-step computation.
+        with torch.no_grad():
+            for _, micro in plan[1:]:
+                for rows, keep in micro:
+                    ids = batch.input_ids[rows].to(self.device)
+                    logp, logits = self._logprobs(self.model, ids, self.temperature)
+                    self._record_proximal(prox, batch, rows, keep, ids, logp, logits)
+        steps = []
+        for epoch in range(t.epochs):
+            for m, (mb_rows, micro) in enumerate(plan):
+                den = losses.local_denominators(mask_all[mb_rows])  # the full minibatch: global counts
+                if den[0] == 0:  # no loss tokens: every rank sees that and skips the same step
+                    continue
+                steps.append(self._ppo_step(batch, micro, den, prox, first=epoch == 0 and m == 0))
+        once = self._all_reduce(prox.sums, prox.mx)
+        self.version += 1
+        self.samples_seen += batch.num_samples
+        tok = float(mask_all.sum())
+
+        def mean(f) -> float:
+            return sum(f(s) for s in steps) / len(steps)
+
+        def frac(key: str) -> float:
+            return mean(lambda s: s[key] / max(s["tokens"], 1.0))
+
+        mm = losses.finalize_mismatch({k[3:]: v for k, v in once.items() if k.startswith("mm_")})
+        return {"loss": mean(lambda s: s["loss"]), "grad_norm": mean(lambda s: s["grad_norm"]),
+                "lr": steps[0]["lr"], "version": float(self.version), "tokens": tok,
+                "samples": float(batch.num_samples), "optimizer_steps": float(len(steps)),
+                "clip_frac": frac("clip_tokens"), "dual_clip_frac": frac("dual_clip_tokens"),
+                "is_clip_frac": frac("is_clip_tokens"), "kl_ref": frac("kl_sum"),
+                "entropy": once["entropy_sum"] / max(tok, 1.0),
+                "staleness_mean": float(batch.staleness().float().mean()), **mm}
+
+    def _record_proximal(self, prox: "_Proximal", batch: Batch, rows: torch.Tensor, keep: float,
+                         ids: torch.Tensor, logp: torch.Tensor, logits: torch.Tensor) -> None:
+        """Store log π_old (and log π_ref) of `rows` from a pre-step forward, and add the rows'
+        sampler/learner mismatch and π_old entropy to the once-per-batch sums."""
+        logp = logp.detach()
+        mask = batch.loss_mask[rows, 1:].float().to(self.device) * keep
+        mu = batch.behaviour_logprobs[rows, 1:].to(self.device).float()
+        if keep:  # a padding micro-batch's dummy row may be a real row of another minibatch
+            prox.logp[rows] = logp
+            if prox.ref is not None:
                 with torch.no_grad():
-                    ref = self._logprobs(self.ref_model, ids, self.cfg.generator.temperature)[0]
-            loss, stats = losses.policy_loss(logp, old, mu, mask, batch.advantages[rows].to(self.device),
-                                             self.tcfg, ref=ref, denominators=denominators)
+                    prox.ref[rows] = self._logprobs(self.ref_model, ids, self.temperature)[0]
+        mm = losses.mismatch_sums(logp, mu, mask, self.tcfg)
+        prox.mx = torch.maximum(prox.mx, mm.pop("mismatch_max").cpu())
+        for k, v in {"entropy_sum": losses.token_entropy_sum(logits, mask),
+                     **{f"mm_{k}": v for k, v in mm.items()}}.items():
+            prox.sums[k] = prox.sums.get(k, 0) + v.detach().cpu().double()
+
+    def _ppo_step(self, batch: Batch, micro: list[tuple[torch.Tensor, float]], den: tuple[float, float],
+                  prox: "_Proximal", first: bool) -> dict[str, float]:
+        """Forward/backward over one minibatch's micro-batches, then clip and step; returns the
+        step's globally reduced sums plus grad_norm and lr. `first`: the batch's first step, whose
+        forward is still π_old and is recorded as such."""
+        sums: dict[str, torch.Tensor] = {}
+        for rows, keep in micro:
+            ids = batch.input_ids[rows].to(self.device)
+            mask = batch.loss_mask[rows, 1:].float().to(self.device) * keep
+            mu = batch.behaviour_logprobs[rows, 1:].to(self.device).float()
+            logp, logits = self._logprobs(self.model, ids, self.temperature)
+            if first:
+                self._record_proximal(prox, batch, rows, keep, ids, logp, logits)
+            ref = prox.ref[rows] if prox.ref is not None else None
+            loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, batch.advantages[rows].to(self.device),
+                                             self.tcfg, ref=ref, denominators=den)
             (loss * self.world).backward()
-            mm = losses.mismatch_sums(old, mu, mask)
-            maxes = torch.maximum(maxes, mm.pop("mismatch_max").cpu())
-            step_sums = {"loss": loss.detach().double(), "entropy_sum": losses.token_entropy_sum(logits, mask),
-                         **stats, **{f"mm_{k}": v for k, v in mm.items()}}
-            for k, v in step_sums.items():
+            for k, v in {"loss": loss.detach().double(), **stats}.items():
                 sums[k] = sums.get(k, 0) + v.detach().cpu().double()
-        red = self._all_reduce(sums, maxes)
+        red = self._all_reduce(sums)
         if not math.isfinite(red["loss"]):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"trainer: loss is {red['loss']} at version {self.version}; "
-                                     "step skipped, weights not updated")
-        grad_norm = self._clip_and_step()
-        lr = self.scheduler.get_last_lr()[0]
+                                     "step skipped, weights not updated by it")
+        red["lr"] = self.scheduler.get_last_lr()[0]
+        red["grad_norm"] = self._clip_and_step()
         self.scheduler.step()
-        self.version += 1
-        self.samples_seen += batch.num_samples
-        tok = max(red["tokens"], 1.0)
-        mm = losses.finalize_mismatch({k[3:]: v for k, v in red.items() if k.startswith("mm_")})
-        return {"loss": red["loss"], "grad_norm": grad_norm, "lr": lr, "version": float(self.version),
-                "tokens": red["tokens"], "samples": float(batch.num_samples),
-                "clip_frac": red["clip_tokens"] / tok, "is_clip_frac": red["is_clip_tokens"] / tok,
-                "kl_ref": red["kl_sum"] / tok, "entropy": red["entropy_sum"] / tok,
-                "staleness_mean": float(batch.staleness().float().mean()), **mm}
+        return red
 
     def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
         """Supervised cross-entropy on demonstration tokens (loss_mask in the Batch token layout);
@@ -156,7 +243,7 @@ class TrainCore:
             loss = -(logp * mask_all[rows].to(self.device) * keep).sum() / n_tok
             (loss * self.world).backward()
             total += loss.detach().double().cpu()
-        loss_v = self._all_reduce({"loss": total}, torch.zeros((), dtype=torch.float64))["loss"]
+        loss_v = self._all_reduce({"loss": total})["loss"]
         if not math.isfinite(loss_v):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"trainer: sft loss is {loss_v}; step skipped, weights not updated")
@@ -173,16 +260,21 @@ class TrainCore:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def _all_reduce(self, sums: dict[str, torch.Tensor], mx: torch.Tensor) -> dict[str, float]:
+    def _all_reduce(self, sums: dict[str, torch.Tensor], mx: torch.Tensor | None = None) -> dict[str, float]:
+        """SUM-reduce `sums`; MAX-reduce `mx` into "mm_mismatch_max" when given. Every rank must make
+        the same calls (same keys, same `mx is None`)."""
         keys = sorted(sums)
         vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
         if self.distributed:
             # gloo reduces CPU tensors; nccl needs them on the device.
-            vec, mx = vec.to(self.device), mx.to(self.device)
+            vec = vec.to(self.device)
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-            dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            if mx is not None:
+                mx = mx.to(self.device)
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
         out = dict(zip(keys, vec.cpu().tolist()))
-        out["mm_mismatch_max"] = float(mx)
+        if mx is not None:
+            out["mm_mismatch_max"] = float(mx)
         return out
 
     # ------------------------------------------------------------------ weights out

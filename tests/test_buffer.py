@@ -189,7 +189,7 @@ def test_state_dict_round_trip_counts_held_groups_as_restored():
        delta=st.integers(0, 3), seed=st.integers(0, 2**31), steps=st.integers(20, 150))
 def test_random_runs_keep_every_invariant(G, B, eta, mode, delta, seed, steps):
     c = BufferConfig(group_size=G, batch_groups=B, max_staleness=eta, overcommit=mode, delta=delta,
-                     delta_min=0, delta_max=3, window=2, zero_signal="keep" if G == 1 else "drop")
+                     delta_min=0, delta_max=3, window=3, zero_signal="keep" if G == 1 else "drop")
     buf, rng = ReplayBufferCore(c, PAD), random.Random(seed)
     gen_version = 0  # generators lag the trainer by a random amount
     pending: list[tuple[int, int]] = []  # (group, sample) slots handed out and not yet sent
@@ -223,10 +223,14 @@ def test_random_runs_keep_every_invariant(G, B, eta, mode, delta, seed, steps):
             trained |= keys
             buf.end_step(float(b.rewards.mean()))
             buf.set_trainer_version(buf.version + 1)
+            # at the start of a step, delta_effective is exactly the room admission leaves beyond B
+            assert buf.delta_effective() == max(0, buf.admission_limit() - B)
         buf.check_accounting()
         assert buf.trained_groups + buf.held_groups <= (eta + buf.version + 1) * B
         assert buf.held_groups <= B + buf.delta_ctl.bound
         assert 0 <= buf.delta_ctl.delta <= 3
+        assert 0 <= buf.delta_effective() <= min(buf.delta_ctl.delta, eta * B)
+        assert buf.delta_capped_steps <= buf.batches
     # every admitted group is in exactly one place: trained, held, or dropped (and counted so)
     trained_groups, held = {g for g, _ in trained}, {*buf._in_flight, *buf._complete}
     assert len(trained) == buf.trained_groups * G and not trained_groups & held
@@ -242,7 +246,7 @@ def test_max_staleness_zero_never_deadlocks(mode):
     those slots are re-admitted (a buffer that evicts them without refunding waits forever)."""
     B, G, steps = 2, 2, 50
     buf = ReplayBufferCore(BufferConfig(group_size=G, batch_groups=B, max_staleness=0, overcommit=mode,
-                                        delta=2, delta_min=0, delta_max=4, window=2), PAD)
+                                        delta=2, delta_min=0, delta_max=4, window=3), PAD)
     gen_version, load_at, work = 0, None, []  # work: [group, sample, version at start, ticks left]
     train_until, batches, rng = None, 0, random.Random(0)
     for tick in range(20_000):
@@ -271,3 +275,23 @@ def test_max_staleness_zero_never_deadlocks(mode):
         buf.check_accounting()
     assert batches == steps, f"stalled after {batches} steps: {buf.stats()}"
     assert buf.dropped_groups["stale"] > 0  # the lag really produced stale work
+
+
+def test_delta_beyond_the_staleness_bound_is_reported_as_inert():
+    """η·B = 2 lets only 2 groups beyond B be admitted: a fixed Δ = 5 shows delta_effective = 2 and
+    every step is counted in delta_capped_steps; Δ = 2 is never capped."""
+    for delta, want_eff, want_capped in [(5, 2, 3), (2, 2, 0)]:
+        buf = ReplayBufferCore(cfg(batch_groups=2, max_staleness=1, overcommit="fixed", delta=delta), PAD)
+        for _ in range(3):
+            assert buf.stats()["delta_effective"] == want_eff == buf.admission_limit() - 2
+            for _ in range(10):  # more than any limit here: the buffer decides how many get in
+                if buf.can_admit():
+                    fill(buf, admit(buf)[0], versions=(buf.version, buf.version))
+            assert buf.held_groups == 2 + want_eff  # what admission really let in
+            buf.take_batch()
+            buf.end_step(0.5)
+            buf.set_trainer_version(buf.version + 1)
+        assert buf.stats()["delta_capped_steps"] == want_capped and buf.stats()["delta"] == delta
+        restored = ReplayBufferCore(buf.cfg, PAD)
+        restored.load_state_dict(buf.state_dict())
+        assert restored.delta_capped_steps == want_capped

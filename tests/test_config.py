@@ -29,12 +29,40 @@ def test_cli_override_wins_over_yaml():
         ("weight_sync.transport=pigeon", "weight_sync.transport"),
         ("trainer.backend=nccl", "trainer.backend"),
         ("trainer.tensor_parallel=2", "trainer.tensor_parallel"),
+        ("trainer.dual_clip=0.5", "trainer.dual_clip"),
+        ("trainer.minibatches=0", "trainer.minibatches"),
+        ("trainer.minibatches=65", "trainer.minibatches"),  # tiny.yaml: 8 groups of 8 samples
+        ("trainer.epochs=0", "trainer.epochs"),
+        ("buffer.window=2", "buffer.window"),
+        ("buffer.slope_tstat=-1", "buffer.slope_tstat"),
+        ("buffer.slope_threshold=0.1", "buffer.slope_threshold"),  # replaced by slope_tstat
     ],
 )
 def test_bad_config_names_the_key(override, must_name):
     with pytest.raises(ConfigError) as e:
         load_config(REPO / "configs" / "tiny.yaml", [override])
     assert must_name in str(e.value)
+
+
+def test_ppo_minibatches_and_dual_clip_accept_their_ranges():
+    cfg = load_config(REPO / "configs" / "tiny.yaml",
+                      ["trainer.minibatches=64", "trainer.epochs=3", "trainer.dual_clip=0"])
+    assert (cfg.trainer.minibatches, cfg.trainer.epochs, cfg.trainer.dual_clip) == (64, 3, 0.0)
+    assert load_config(None).trainer.dual_clip == 3.0  # on by default
+
+
+def test_raw_logprobs_with_temperature_are_refused_naming_both_keys():
+    """The learner scores softmax(logits / T); raw logprobs describe softmax(logits)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["generator.logprobs_mode=raw", "generator.temperature=0.7"])
+    assert "generator.logprobs_mode" in str(e.value) and "generator.temperature" in str(e.value)
+    assert load_config(None, ["generator.logprobs_mode=raw"]).generator.temperature == 1.0
+    assert load_config(None, ["generator.temperature=0.7"]).generator.logprobs_mode == "processed"
+
+
+def test_top_p_below_one_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"generator\.top_p=0\.9 .*1\.0 for RL.*truncated.*biased low"):
+        load_config(None, ["generator.top_p=0.9"])
 
 
 def test_choice_errors_list_allowed_values():

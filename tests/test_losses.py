@@ -1,4 +1,9 @@
-"""Loss math vs a direct float64 reference (plain Python loops), per correction mode and edge case."""
+"""Loss math vs a direct float64 reference (plain Python loops), per correction mode and edge case:
+PPO clip, dual clip, IS weights (sequence IS clamps only the summed log-ratio), KL, aggregation,
+sampler/learner mismatch metrics and the effective sample size of raw and applied weights.
+
+    .venv/bin/python -m pytest -q tests/test_losses.py
+"""
 
 from __future__ import annotations
 
@@ -13,29 +18,52 @@ from pipeline.losses import finalize_mismatch, is_weights, mismatch_sums, policy
 MODES = ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is")
 
 
-def reference(logp, old, mu, mask, adv, cfg: TrainerConfig, ref=None):
-    """Loss value and d loss / d logp written out element by element, in float64."""
-    n, t = len(logp), len(logp[0])
-    eps, cap = cfg.clip_eps, cfg.is_cap
+def clamp20(x: float) -> float:
+    return min(max(x, -20.0), 20.0)
+
+
+def ref_weights(old, mu, mask, cfg: TrainerConfig):
+    """(ρ, w) per token by definition; masked tokens get 0 in both."""
+    n, t = len(old), len(old[0])
     seq_w = []
     for i in range(n):
         s = sum(old[i][j] - mu[i][j] for j in range(t) if mask[i][j])
-        seq_w.append(min(math.exp(s), cap))
-    per_tok, grad = [[0.0] * t for _ in range(n)], [[0.0] * t for _ in range(n)]
+        seq_w.append(min(math.exp(clamp20(s)), cfg.is_cap))  # only the sum is clamped
+    rho, w = [[0.0] * t for _ in range(n)], [[0.0] * t for _ in range(n)]
     for i in range(n):
         for j in range(t):
             if not mask[i][j]:
                 continue
-            rho = math.exp(old[i][j] - mu[i][j])
-            w = {"none": 1.0, "ppo_is": 1.0, "tis": min(rho, cap), "vanilla_is": rho, "seq_is": seq_w[i],
-                 "mis": rho if cfg.mis_low <= rho <= cfg.mis_high else 0.0}[cfg.correction]
+            p = math.exp(clamp20(old[i][j] - mu[i][j]))
+            rho[i][j] = p
+            w[i][j] = {"none": 1.0, "ppo_is": 1.0, "tis": min(p, cfg.is_cap), "vanilla_is": p, "seq_is": seq_w[i],
+                       "mis": p if cfg.mis_low <= p <= cfg.mis_high else 0.0}[cfg.correction]
+    return rho, w
+
+
+def reference(logp, old, mu, mask, adv, cfg: TrainerConfig, ref=None):
+    """Loss value, d loss / d logp and the dual-clip token count, element by element, in float64."""
+    n, t = len(logp), len(logp[0])
+    eps, c = cfg.clip_eps, cfg.dual_clip
+    _, weights = ref_weights(old, mu, mask, cfg)
+    per_tok, grad = [[0.0] * t for _ in range(n)], [[0.0] * t for _ in range(n)]
+    dual_tokens = 0
+    for i in range(n):
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            w = weights[i][j]
             base = mu[i][j] if cfg.correction == "ppo_is" else old[i][j]
             r = math.exp(logp[i][j] - base)
             a = adv[i]
             unclipped, clipped = r * a, min(max(r, 1 - eps), 1 + eps) * a
-            per_tok[i][j] = -w * min(unclipped, clipped)
+            surrogate = min(unclipped, clipped)
             # d/dlogp: the unclipped branch is active when it is the min (ties included: both agree).
             grad[i][j] = -w * a * r if unclipped <= clipped else 0.0
+            if c > 0 and a < 0 and c * a > surrogate:  # dual clip: held at c·A, no gradient
+                surrogate, grad[i][j] = c * a, 0.0
+                dual_tokens += 1
+            per_tok[i][j] = -w * surrogate
             if ref is not None and cfg.kl_coef > 0:
                 d = ref[i][j] - logp[i][j]
                 if cfg.kl_estimator == "k1":
@@ -53,14 +81,15 @@ def reference(logp, old, mu, mask, adv, cfg: TrainerConfig, ref=None):
         nseq = sum(1 for c in cnt if c > 0)
         loss = sum(sum(per_tok[i]) / cnt[i] for i in range(n) if cnt[i]) / nseq
         g = [[grad[i][j] / (cnt[i] * nseq) if cnt[i] else 0.0 for j in range(t)] for i in range(n)]
-    return loss, g
+    return loss, g, dual_tokens
 
 
-def random_inputs(seed: int, n: int = 5, t: int = 7):
+def random_inputs(seed: int, n: int = 5, t: int = 7, spread: float = 0.25):
+    """`spread`: std of log π_θ − log π_old; 1.5 puts many ratios past the dual-clip bound 3."""
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(n, t, generator=gen, dtype=torch.float64) * 3
     mu = old + 0.3 * torch.randn(n, t, generator=gen, dtype=torch.float64)
-    logp = old + 0.25 * torch.randn(n, t, generator=gen, dtype=torch.float64)
+    logp = old + spread * torch.randn(n, t, generator=gen, dtype=torch.float64)
     ref = old + 0.2 * torch.randn(n, t, generator=gen, dtype=torch.float64)
     mask = (torch.rand(n, t, generator=gen) > 0.3).double()
     mask[0, :] = 0  # a sequence with no loss tokens at all
@@ -74,9 +103,10 @@ def check(cfg, logp, old, mu, mask, adv, ref=None):
     x = logp.clone().requires_grad_(True)
     loss, stats = policy_loss(x, old, mu, mask, adv, cfg, ref=ref)
     loss.backward()
-    want, want_grad = reference(logp.tolist(), old.tolist(), mu.tolist(), mask.tolist(), adv.tolist(), cfg,
-                                ref.tolist() if ref is not None else None)
+    want, want_grad, dual_tokens = reference(logp.tolist(), old.tolist(), mu.tolist(), mask.tolist(), adv.tolist(),
+                                             cfg, ref.tolist() if ref is not None else None)
     assert loss.item() == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert stats["dual_clip_tokens"].item() == dual_tokens
     torch.testing.assert_close(x.grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-10, atol=1e-12)
     assert torch.all(x.grad[mask == 0] == 0), "a masked token received gradient"
     return loss, stats
@@ -88,6 +118,27 @@ def test_loss_and_grad_match_float64_reference(mode, aggregation):
     for seed in range(3):
         cfg = TrainerConfig(correction=mode, aggregation=aggregation, is_cap=1.5, mis_low=0.8, mis_high=1.25)
         check(cfg, *random_inputs(seed)[:5])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dual_clip_bounds_negative_advantage_tokens_in_every_mode(mode):
+    """Far-off-policy ratios (minibatch / epoch steps): for A < 0 the objective stops at c·A."""
+    logp, old, mu, mask, adv, _ = random_inputs(4, n=8, t=9, spread=1.5)
+    adv[:4] = -adv[:4].abs()  # both signs present
+    on = check(TrainerConfig(correction=mode, dual_clip=3.0), logp, old, mu, mask, adv)
+    off = check(TrainerConfig(correction=mode, dual_clip=0.0), logp, old, mu, mask, adv)
+    assert on[1]["dual_clip_tokens"].item() > 0 and off[1]["dual_clip_tokens"].item() == 0
+    assert on[0].item() < off[0].item()  # bounding a negative objective lowers the loss
+
+
+def test_dual_clip_tie_and_positive_advantage():
+    """r = c exactly with A < 0 is not dual-clipped; A > 0 is never bounded, however large r is."""
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    logp = torch.log(torch.tensor([[3.0, 5.0], [5.0, 50.0]], dtype=torch.float64))
+    cfg = TrainerConfig(correction="none", dual_clip=float(logp[0, 0].exp()))  # r == c to the last bit
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    _, stats = check(cfg, logp, old, old.clone(), torch.ones(2, 2, dtype=torch.float64), adv)
+    assert stats["dual_clip_tokens"].item() == 1  # only r = 5 with A = −1
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
@@ -137,6 +188,19 @@ def test_is_weights_follow_their_definitions():
     torch.testing.assert_close(w, torch.tensor([[0.5, 1.0, 3.0, 10.0]], dtype=torch.float64))
 
 
+def test_seq_is_clamps_only_the_summed_log_ratio():
+    """Token log-ratios 15, 15, −25 sum to 5: the weight is e^5. Clamping each token to ±20 first
+    would give e^10; a sum beyond 20 is clamped to e^20."""
+    old = torch.tensor([[15.0, 15.0, -25.0], [15.0, 15.0, 0.0]], dtype=torch.float64)
+    mu = torch.zeros_like(old)
+    mask = torch.ones_like(old)
+    w, hit = is_weights(old, mu, mask, TrainerConfig(correction="seq_is", is_cap=1e12))
+    torch.testing.assert_close(w[:, 0], torch.tensor([math.exp(5.0), math.exp(20.0)], dtype=torch.float64))
+    assert not hit.any()
+    _, ref_w = ref_weights(old.tolist(), mu.tolist(), mask.tolist(), TrainerConfig(correction="seq_is", is_cap=1e12))
+    torch.testing.assert_close(w, torch.tensor(ref_w, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_on_policy_every_mode_has_the_plain_ppo_gradient(aggregation):
     """μ = π_old = π_θ (one epoch, no mismatch): every weight is 1, so every gradient equals PPO's."""
@@ -168,12 +232,39 @@ def test_mismatch_metrics_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.9, 0.2], [0.4, 0.4, 0.4]], dtype=torch.float64))
     mu = torch.log(torch.tensor([[0.25, 0.9, 0.9], [0.4, 0.4, 0.4]], dtype=torch.float64))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
-    m = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, mu, mask).items()})
+    m = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, mu, mask, TrainerConfig()).items()})
     assert m["mismatch_max"] == pytest.approx(0.25)  # the masked token's 0.7 gap is ignored
     assert m["mismatch_resp_max"] == pytest.approx((0.25 + 0.0) / 2)
     assert m["mismatch_resp_mean"] == pytest.approx((0.125 + 0.0) / 2)
     assert m["kl_sampler_learner"] == pytest.approx(math.log(0.5) / 5)
     rho = [2.0, 1.0, 1.0, 1.0, 1.0]
-    assert m["is_ess"] == pytest.approx(sum(rho) ** 2 / (5 * sum(x * x for x in rho)))
-    same = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, old, mask).items()})
-    assert same["is_ess"] == pytest.approx(1.0) and same["mismatch_max"] == 0.0
+    assert m["is_ess_raw"] == pytest.approx(sum(rho) ** 2 / (5 * sum(x * x for x in rho)))
+    same = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, old, mask, TrainerConfig()).items()})
+    assert same["is_ess"] == same["is_ess_raw"] == pytest.approx(1.0) and same["mismatch_max"] == 0.0
+
+
+def ref_ess(values: list[float]) -> float:
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else 0.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_is_ess_is_reported_on_raw_ratios_and_on_the_applied_weights(mode):
+    _, old, mu, mask, _, _ = random_inputs(9, n=6, t=8)
+    mu = old + 0.8 * (mu - old) / 0.3  # wide enough for truncation and masking to act
+    cfg = TrainerConfig(correction=mode, is_cap=1.5, mis_low=0.7, mis_high=1.4)
+    m = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, mu, mask, cfg).items()})
+    rho, w = ref_weights(old.tolist(), mu.tolist(), mask.tolist(), cfg)
+    on = [(i, j) for i in range(len(rho)) for j in range(len(rho[0])) if mask[i, j]]
+    assert m["is_ess_raw"] == pytest.approx(ref_ess([rho[i][j] for i, j in on]), rel=1e-12)
+    assert m["is_ess"] == pytest.approx(ref_ess([w[i][j] for i, j in on]), rel=1e-12)
+    if mode in ("none", "ppo_is"):
+        assert m["is_ess"] == 1.0
+    elif mode in ("tis", "mis", "seq_is"):
+        assert m["is_ess"] != pytest.approx(m["is_ess_raw"])  # truncation / masking shows
+
+
+def test_is_ess_is_zero_when_masked_is_drops_every_token():
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    m = finalize_mismatch({k: v.item() for k, v in mismatch_sums(
+        old, old - 2.0, torch.ones(1, 3, dtype=torch.float64), TrainerConfig(correction="mis")).items()})
+    assert m["is_ess"] == 0.0 and m["is_ess_raw"] == pytest.approx(1.0)

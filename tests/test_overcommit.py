@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -13,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import BufferConfig
-from pipeline.overcommit import DeltaController, reward_slope
+from pipeline.overcommit import DeltaController, reward_slope, slope_tstat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import overcommit_sim  # noqa: E402
 
 
 def ctl(mode="adaptive", **kw) -> DeltaController:
-    base = dict(overcommit=mode, delta=2, delta_min=1, delta_max=5, window=4, slope_threshold=0.01)
+    base = dict(overcommit=mode, delta=2, delta_min=1, delta_max=5, window=4)
     return DeltaController(BufferConfig(**{**base, **kw}))
 
 
@@ -31,19 +32,51 @@ def test_reward_slope_is_least_squares():
         reward_slope([1.0])
 
 
+def test_slope_tstat_is_slope_over_its_standard_error():
+    # y = 1, 2, 4: slope 1.5, residuals (1/6, −1/3, 1/6), SE = sqrt((1/6) / 1 / 2), t = 3·sqrt(3)
+    s, t = slope_tstat([1.0, 2.0, 4.0])
+    assert s == pytest.approx(1.5) and t == pytest.approx(3 * math.sqrt(3), rel=1e-12)
+    assert slope_tstat([0.3] * 6) == (0.0, 0.0)  # constant: no evidence either way
+    assert slope_tstat([0.0, 1.0, 2.0, 3.0]) == (1.0, math.inf)  # exactly on a line
+    assert slope_tstat([1.0, 4.0, 2.0])[1] == pytest.approx(-slope_tstat([2.0, 4.0, 1.0])[1])
+    with pytest.raises(ValueError, match="at least 3"):
+        slope_tstat([1.0, 2.0])
+
+
 def test_rising_reward_grows_delta_to_max_and_no_further():
     c = ctl()
     seen = [c.update(0.05 * step) for step in range(12)]
     assert seen[:3] == [2, 2, 2]  # holds until the window is full
     assert seen[3:6] == [3, 4, 5] and max(seen) == 5 and seen[-1] == 5
-    assert c.last_slope == pytest.approx(0.05)
+    assert c.last_slope == pytest.approx(0.05) and c.last_tstat > 1e6
 
 
-def test_flat_reward_decays_delta_to_min_and_no_further():
-    c = ctl(delta=5)
-    rng = random.Random(0)
-    seen = [c.update(0.5 + rng.uniform(-0.01, 0.01)) for _ in range(12)]  # noise well under the threshold
-    assert seen[3:7] == [4, 3, 2, 1] and min(seen) == 1 and seen[-1] == 1
+def noisy_run(seed: int, reward, steps: int, **kw) -> list[int]:
+    c = DeltaController(BufferConfig(**{**dict(overcommit="adaptive", delta_min=0, delta_max=8), **kw}))
+    rng = random.Random(seed)
+    return [c.update(reward(s) + rng.gauss(0, 0.05)) for s in range(steps)]
+
+
+def test_noisy_plateau_decays_delta_to_min_and_keeps_it_there():
+    """Flat reward + noise: the sign of the slope is a coin flip, its t-statistic rarely passes 2.
+    Δ falls from 8 to 0 at one per step once the window (8) is full, and then sits at 0 (brief
+    excursions while false positives cluster); the old sign-of-slope rule (slope_tstat=0) wanders."""
+    at_min, at_min_sign_rule = [], []
+    for seed in range(20):
+        seen = noisy_run(seed, lambda s: 0.5, 200, delta=8)
+        assert seen[:7] == [8] * 7 and 0 in seen[14:30], (seed, seen[:30])  # fastest: 8 → 0 by step 14
+        at_min.append(sum(d == 0 for d in seen[30:]) / len(seen[30:]))
+        sign_rule = noisy_run(seed, lambda s: 0.5, 200, delta=8, slope_tstat=0.0)
+        at_min_sign_rule.append(sum(d == 0 for d in sign_rule[30:]) / len(sign_rule[30:]))
+    assert sum(at_min) / 20 > 0.9 and min(at_min) > 0.75
+    assert sum(at_min_sign_rule) / 20 < 0.3  # the random walk the t-test removes
+
+
+def test_clearly_rising_noisy_reward_grows_delta_to_max():
+    for seed in range(10):
+        seen = noisy_run(seed, lambda s: 0.03 * s, 60, delta=0)
+        assert seen[:7] == [0] * 7  # holds until the window is full
+        assert max(seen) == 8 and sum(seen[-30:]) / 30 > 6, (seed, seen)
 
 
 def test_rise_then_plateau_grows_then_shrinks():

@@ -1,5 +1,6 @@
 """TrainCore in-process on the tiny torchtitan model (one rank, no Monarch): input refusal,
-non-finite steps, learning direction, on-policy equivalence of corrections, checkpoint resume."""
+non-finite steps, learning direction, on-policy equivalence of corrections, checkpoint resume,
+PPO minibatches / epochs against a fixed π_old."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from pipeline.config import Config, ModelConfig, TrainerConfig
+from pipeline.losses import policy_loss
 from pipeline.model import token_logprobs
 from pipeline.train_checks import BadBatchError
-from pipeline.train_core import NonFiniteLossError, TrainCore
+from pipeline.train_core import NonFiniteLossError, TrainCore, minibatch_plan
 from pipeline.types import Batch
 
 
@@ -199,3 +201,90 @@ def test_learner_scores_the_temperature_scaled_distribution_the_sampler_used():
     m = core.train_step(replace(b, behaviour_logprobs=beh))
     assert m["is_ess"] == pytest.approx(1.0, abs=1e-5)
     assert abs(m["kl_sampler_learner"]) < 1e-5 and m["mismatch_resp_max"] < 1e-5
+
+
+# ---- PPO minibatches / epochs --------------------------------------------------------------------
+
+def hand_steps(core: TrainCore, b: Batch, minibatches: int, epochs: int = 1, fixed_old: bool = True) -> None:
+    """The minibatch schedule written out directly: π_old from the weights before the first step
+    (or, fixed_old=False, re-taken before every step: the bug a fixed π_old guards against)."""
+    mask, mu = b.loss_mask[:, 1:], b.behaviour_logprobs[:, 1:]
+    with torch.no_grad():
+        old = token_logprobs(core.model, b.input_ids)
+    for _ in range(epochs):
+        for rows in torch.tensor_split(torch.arange(b.num_samples), minibatches):
+            if not fixed_old:
+                with torch.no_grad():
+                    old = token_logprobs(core.model, b.input_ids)
+            loss, _ = policy_loss(token_logprobs(core.model, b.input_ids[rows]), old[rows], mu[rows], mask[rows],
+                                  b.advantages[rows], core.tcfg)  # denominators: this minibatch's own
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(core.model.parameters(), core.tcfg.grad_clip)
+            core.optimizer.step()
+            core.optimizer.zero_grad(set_to_none=True)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("epochs, micro", [(1, 0), (2, 0), (2, 2)])
+def test_minibatches_equal_hand_steps_against_a_fixed_pi_old(cfg, epochs, micro):
+    lr = 1e-2
+    c = Config(model=cfg.model, trainer=TrainerConfig(lr=lr, minibatches=2, epochs=epochs, micro_batch_size=micro))
+    auto, hand, drift = TrainCore(c), TrainCore(c), TrainCore(c)  # same seed: same initial weights
+    b = make_batch(auto.model, n=7, mu_noise=0.2)
+    m = auto.train_step(b)
+    hand_steps(hand, b, 2, epochs)
+    hand_steps(drift, b, 2, epochs, fixed_old=False)
+    assert m["optimizer_steps"] == 2 * epochs and m["version"] == 1 and auto.version == 1
+    if micro == 0:
+        assert same(weights(auto), weights(hand))
+    else:  # micro-batch sums differ in the last fp32 bit, which AdamW's g/(|g|+eps) amplifies
+        assert max_diff(weights(auto), weights(hand)) < 0.01 * lr
+    assert max_diff(weights(auto), weights(drift)) > 0.5 * lr  # so the comparison can tell π_old apart
+
+
+def test_minibatches_make_the_clip_bite_and_the_version_advance_once(cfg):
+    one = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2)))
+    four = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, minibatches=4)))
+    b = make_batch(one.model, n=8)  # behaviour logprobs = the learner's own: on-policy
+    m1, m4 = one.train_step(b), four.train_step(b)
+    assert m1["clip_frac"] == 0.0 and m1["optimizer_steps"] == 1  # r = π_θ / π_old = 1 exactly
+    assert m4["clip_frac"] > 0 and m4["optimizer_steps"] == 4  # later minibatches see a moved policy
+    assert m1["version"] == m4["version"] == 1 and four.version == 1
+    assert m4["tokens"] == m1["tokens"] and m4["is_ess"] == pytest.approx(1.0)
+
+
+def test_minibatch_plan_splits_each_minibatch_across_ranks_in_lockstep():
+    for n, mbs_count, world, mbs in [(7, 2, 2, 0), (8, 4, 3, 1), (5, 5, 4, 2), (16, 3, 2, 3)]:
+        plans = [minibatch_plan(n, mbs_count, world, r, mbs) for r in range(world)]
+        single = minibatch_plan(n, mbs_count, 1, 0, 0)
+        for m, (rows, _) in enumerate(single):
+            got = sorted(int(i) for p in plans for c, keep in p[m][1] if keep for i in c)
+            assert got == rows.tolist()  # the ranks' shares make up the single-rank minibatch
+            assert len({len(p[m][1]) for p in plans}) == 1  # same number of micro-batches everywhere
+            if mbs:
+                assert all(len(c) <= mbs for p in plans for c, _ in p[m][1])
+
+
+def test_too_few_samples_for_the_minibatches_are_refused(cfg):
+    core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(minibatches=8)))
+    before = weights(core)
+    with pytest.raises(BadBatchError, match="trainer.minibatches=8"):
+        core.train_step(make_batch(core.model, n=6))
+    assert same(before, weights(core)) and core.version == 0
+
+
+def test_nonfinite_later_minibatch_raises_before_its_own_update(cfg):
+    """Documented behaviour: the first minibatch's step stays applied, the failing one is not, and
+    the version does not advance (nothing is snapshotted; the run is expected to stop)."""
+    core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2)))
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 3e38, 3e38])  # finite, but the second minibatch's loss overflows
+    b = make_batch(core.model, adv=adv)
+    before = weights(core)
+    with pytest.raises(NonFiniteLossError, match="weights not updated by it"):
+        core.train_step(b)
+    assert not same(before, weights(core)) and core.version == 0
+    assert all(p.grad is None for p in core.model.parameters())
+    assert core.optimizer.state_dict()["state"][0]["step"] == 1  # exactly one optimizer step ran

@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--delta-min", type=int, default=0, help="adaptive Δ floor")
     p.add_argument("--delta-max", type=int, default=8, help="adaptive Δ cap")
     p.add_argument("--window", type=int, default=8, help="w: steps in the reward-slope window")
-    p.add_argument("--slope-threshold", type=float, default=0.005, help="reward slope per step above which Δ grows")
+    p.add_argument("--slope-tstat", type=float, default=2.0,
+                   help="Δ grows while the window's reward slope / its standard error exceeds this")
     p.add_argument("--modes", default="none,fixed,adaptive", help="comma list of none|fixed|adaptive")
     p.add_argument("--out", default="bench_out/overcommit", help="directory for summary.json and overcommit.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         bcfg = BufferConfig(group_size=a.group_size, batch_groups=a.batch_groups, max_staleness=a.max_staleness,
                             overcommit=mode, delta=a.fixed_delta if mode == "fixed" else a.delta_start,
                             delta_min=a.delta_min, delta_max=a.delta_max, window=a.window,
-                            slope_threshold=a.slope_threshold, zero_signal="keep")
+                            slope_tstat=a.slope_tstat, zero_signal="keep")
         results[mode] = simulate(sim, bcfg, progress=not a.no_progress, label=mode)
     print(f"\n{'mode':<10}{'samples/s':>11}{'speedup':>9}{'staleness':>11}{'wait':>7}{'mean Δ':>8}"
           f"{'deferred':>10}  dropped groups")
