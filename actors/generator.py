@@ -37,11 +37,11 @@ __all__ = ["GeneratorActor", "MeshSource"]
 class MeshSource:
     """The WorkSource protocol over a buffer actor mesh (anything with admit/add/release endpoints)."""
 
-    def __init__(self, mesh):
-        self.mesh = mesh
+    def __init__(self, mesh, generator_id: int):
+        self.mesh, self.generator_id = mesh, generator_id
 
     async def admit(self, wait_s: float) -> PromptGroup | None:
-        return await self.mesh.admit.call_one(wait_s)
+        return await self.mesh.admit.call_one(wait_s, self.generator_id)
 
     async def add(self, rollout: Rollout) -> None:
         await self.mesh.add.call_one(rollout)
@@ -66,7 +66,7 @@ class GeneratorActor(Actor):
     @endpoint
     async def start_generation(self, buffer) -> None:
         """Begin a stage: keep generator.concurrency requests in flight, carried-over partials first."""
-        self.core.begin_stage(MeshSource(buffer))
+        self.core.begin_stage(MeshSource(buffer, self.core.gid))
 
     @endpoint
     async def end_stage(self, carry_over: str | None = None, resume_on_update: bool = False) -> dict:

@@ -2,7 +2,8 @@
 
 Protocol (generators pull work and push samples; the trainer pulls batches):
 
-    group = await buf.admit.call_one()               # PromptGroup, or None while admission is closed
+    group = await buf.admit.call_one(0.5, gid)       # PromptGroup (leased to gid), None while closed
+    n = await buf.release_generator.call_one(gid)    # gid died: its groups are requeued
     await buf.add.call_one(rollout)                  # raises (ActorError) on a bad rollout
     await buf.release.call_one(group_id)             # a generator gave up on a group
     batch = await buf.get_batch.call_one(v, 60.0)    # waits for B complete groups at version v
@@ -41,18 +42,31 @@ class ReplayBufferActor(Actor):
         async with self.changed:
             self.changed.notify_all()
 
+    def _has_work(self) -> bool:
+        return self.core.has_requeued() or self.core.can_admit()
+
     @concurrent_endpoint
-    async def admit(self, wait_s: float = 0.0) -> PromptGroup | None:
-        """Next prompt group to generate, or None if admission stays closed for `wait_s` seconds."""
-        if not self.core.can_admit() and wait_s > 0:
+    async def admit(self, wait_s: float = 0.0, generator_id: int = 0) -> PromptGroup | None:
+        """Next prompt group for `generator_id` (a requeued group first), or None if admission stays
+        closed for `wait_s` seconds."""
+        if not self._has_work() and wait_s > 0:
             async with self.changed:
                 try:
-                    await asyncio.wait_for(self.changed.wait_for(self.core.can_admit), wait_s)
+                    await asyncio.wait_for(self.changed.wait_for(self._has_work), wait_s)
                 except asyncio.TimeoutError:
                     return None
+        if self.core.has_requeued():
+            return self.core.take_requeued(generator_id)
         if not self.core.can_admit():
             return None
-        return self.core.admit(next(self.prompts))
+        return self.core.admit(next(self.prompts), generator_id)
+
+    @endpoint
+    async def release_generator(self, generator_id: int) -> int:
+        """Generator `generator_id` died: its in-flight groups are generated again; returns how many."""
+        n = self.core.release_generator(generator_id)
+        await self._notify()
+        return n
 
     @endpoint
     async def add(self, rollout: Rollout) -> None:

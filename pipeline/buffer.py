@@ -16,7 +16,10 @@ Accounting: each admitted group brings G sample slots and check_accounting() ver
 
     admitted_samples == trained_samples + sum(dropped_samples by reason) + held_samples
 
-where held groups are in flight or complete-but-untrained (G slots each). Bad rollouts are
+where held groups are in flight or complete-but-untrained (G slots each). Each in-flight group is
+leased to the generator generating it; release_generator(g) (g died) requeues g's groups whole, to
+be handed out again before any new prompt: they stay held, so the identity holds across a kill,
+and samples still arriving under a revoked lease are ignored as late. Bad rollouts are
 rejected (RolloutRejected, counted by reason) and change nothing else.
 
 Admission: can_admit() holds iff, after one more group,
@@ -46,7 +49,7 @@ version above the buffer's version is rejected as from the future.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +112,9 @@ class ReplayBufferCore:
         self.rejected: Counter[str] = Counter()
         self.late_rollouts = self.zero_signal_groups = self.deferred_groups = 0
         self.wasted_tokens = 0  # completion tokens of samples never trained on (dropped groups, late rollouts)
+        self._lease: dict[int, int | None] = {}  # in-flight group -> the generator generating it
+        self._requeued: deque[int] = deque()  # in-flight groups whose generator died, to hand out again
+        self.requeued_groups = 0
         self.staleness_hist: Counter[int] = Counter()
         self.wait_s_total = self.wait_s_last = 0.0
         self.delta_capped_steps = 0  # steps whose Δ exceeded what the staleness bound admits
@@ -135,7 +141,8 @@ class ReplayBufferCore:
     def can_admit(self) -> bool:
         return self.held_groups + 1 <= self.admission_limit()
 
-    def admit(self, item: PromptItem) -> PromptGroup:
+    def admit(self, item: PromptItem, generator_id: int = 0) -> PromptGroup:
+        """A new group, leased to `generator_id` (which generates all G samples)."""
         if not self.can_admit():
             raise RuntimeError(f"buffer: cannot admit, {self.held_groups} groups held and the limit is "
                                f"{self.admission_limit()} at version {self.version}; check can_admit()")
@@ -144,11 +151,38 @@ class ReplayBufferCore:
         self._next_id += 1
         self.admitted_groups += 1
         self._in_flight[g.group_id] = _Group(g)
+        self._lease[g.group_id] = generator_id
         return g
+
+    def has_requeued(self) -> bool:
+        return bool(self._requeued)
+
+    def take_requeued(self, generator_id: int) -> PromptGroup:
+        """The oldest requeued group, leased anew to `generator_id` (it is still held: no admission check)."""
+        gid = self._requeued.popleft()
+        self._lease[gid] = generator_id
+        return self._in_flight[gid].group
+
+    def release_generator(self, generator_id: int) -> int:
+        """A generator died: every group it holds in flight goes back to be generated again (whole:
+        samples it already sent are discarded, as wasted tokens). The groups stay held, so the
+        accounting identity is unchanged; returns how many were requeued."""
+        n = 0
+        for gid, g in self._in_flight.items():
+            if self._lease.get(gid) == generator_id:
+                self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
+                g.samples.clear()
+                self._lease[gid] = None
+                self._requeued.append(gid)
+                n += 1
+        self.requeued_groups += n
+        return n
 
     def release(self, group_id: int) -> bool:
         """A generator gave up on a group: drop it as "failed". False if it already left flight."""
         if group_id in self._in_flight:
+            if group_id in self._requeued:
+                self._requeued.remove(group_id)
             self._drop(self._in_flight[group_id], "failed")
             return True
         if not 0 <= group_id < self._next_id:
@@ -164,6 +198,11 @@ class ReplayBufferCore:
             self.rejected[problem[0]] += 1
             raise RolloutRejected(*problem)
         gid, idx = rollout.group_id, rollout.sample_idx
+        if gid in self._in_flight and self._lease.get(gid) != rollout.generator_id:
+            # from a generator whose lease was revoked (declared dead, the group requeued elsewhere)
+            self.late_rollouts += 1
+            self.wasted_tokens += len(rollout.completion_tokens)
+            return
         if gid in self._late:
             self.late_rollouts += 1
             self.wasted_tokens += len(rollout.completion_tokens)
@@ -207,6 +246,7 @@ class ReplayBufferCore:
 
     def _finish(self, g: _Group) -> None:
         del self._in_flight[g.group.group_id]
+        self._lease.pop(g.group.group_id, None)
         rewards = [g.samples[i].reward for i in range(self.cfg.group_size)]
         if max(rewards) == min(rewards):
             self.zero_signal_groups += 1
@@ -222,6 +262,9 @@ class ReplayBufferCore:
     def _drop(self, g: _Group, reason: str) -> None:
         gid = g.group.group_id
         self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
+        self._lease.pop(gid, None)
+        if gid in self._requeued:
+            self._requeued.remove(gid)
         if self._in_flight.pop(gid, None) is not None:
             missing = set(range(self.cfg.group_size)) - g.samples.keys()
             if missing:
@@ -312,6 +355,7 @@ class ReplayBufferCore:
             "dropped_groups": dict(self.dropped_groups),
             "dropped_samples_by_reason": {k: v * G for k, v in self.dropped_groups.items()},
             "rejected": dict(self.rejected), "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
+            "requeued_groups": self.requeued_groups, "requeued_waiting": len(self._requeued),
             "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups,
             "staleness_hist": dict(sorted(self.staleness_hist.items())),
             "trainer_wait_s_total": self.wait_s_total, "trainer_wait_s_last": self.wait_s_last,
@@ -324,6 +368,7 @@ class ReplayBufferCore:
                 "trained_groups": self.trained_groups, "batches": self.batches,
                 "dropped_groups": dict(self.dropped_groups), "rejected": dict(self.rejected),
                 "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
+                "requeued_groups": self.requeued_groups,
                 "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups, "staleness_hist": dict(self.staleness_hist),
                 "wait_s_total": self.wait_s_total, "held_ids": sorted([*self._in_flight, *self._complete]),
                 "delta_capped_steps": self.delta_capped_steps, "delta": self.delta_ctl.state_dict()}
@@ -339,7 +384,7 @@ class ReplayBufferCore:
             self.dropped_groups["restored"] += len(s["held_ids"])
         self.rejected = Counter(s["rejected"])
         self.late_rollouts, self.zero_signal_groups = s["late_rollouts"], s["zero_signal_groups"]
-        self.wasted_tokens = s.get("wasted_tokens", 0)
+        self.wasted_tokens, self.requeued_groups = s["wasted_tokens"], s["requeued_groups"]
         self.deferred_groups, self.wait_s_total = s["deferred_groups"], s["wait_s_total"]
         self.delta_capped_steps = s.get("delta_capped_steps", 0)  # absent in older checkpoints
         self.staleness_hist = Counter(s["staleness_hist"])

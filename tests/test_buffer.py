@@ -295,3 +295,27 @@ def test_delta_beyond_the_staleness_bound_is_reported_as_inert():
         restored = ReplayBufferCore(buf.cfg, PAD)
         restored.load_state_dict(buf.state_dict())
         assert restored.delta_capped_steps == want_capped
+
+
+def test_dead_generators_groups_are_requeued_whole_and_accounting_holds():
+    buf = ReplayBufferCore(cfg(batch_groups=2, overcommit="fixed", delta=2), PAD)
+    a = buf.admit(PromptItem(uid=0, prompt="p"), generator_id=0).group_id
+    b = buf.admit(PromptItem(uid=1, prompt="p"), generator_id=1).group_id
+    c = buf.admit(PromptItem(uid=2, prompt="p"), generator_id=1).group_id
+    buf.add(rollout(b, 0, generator_id=1))  # half of b arrived before generator 1 died
+    for i in range(2):  # c is complete: no longer in flight, it stays
+        buf.add(rollout(c, i, reward=float(i), generator_id=1))
+    assert buf.release_generator(1) == 1
+    assert buf.has_requeued() and buf.stats()["requeued_waiting"] == 1
+    buf.check_accounting()  # requeued groups are still held
+    # a sample of b still arriving under the revoked lease is ignored, not an error
+    buf.add(rollout(b, 1, generator_id=1))
+    assert buf.stats()["late_rollouts"] == 1 and buf.wasted_tokens == 4
+    again = buf.take_requeued(generator_id=2)
+    assert again.group_id == b and not buf.has_requeued()
+    for i in range(2):
+        buf.add(rollout(b, i, reward=float(i), generator_id=2))
+    fill(buf, a)
+    batch = buf.take_batch()
+    assert set(batch.group_ids) <= {a, b, c} and buf.check_accounting()["dropped_samples"] == 0
+    assert buf.stats()["requeued_groups"] == 1

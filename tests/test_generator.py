@@ -43,7 +43,7 @@ class QueueSource(Actor):
         self.items.extend(items)
 
     @endpoint
-    async def admit(self, wait_s: float) -> PromptGroup | None:
+    async def admit(self, wait_s: float, generator_id: int = 0) -> PromptGroup | None:
         if not self.items:
             await asyncio.sleep(min(wait_s, 0.05))
             return None

@@ -28,8 +28,11 @@ from .conftest import REPO
 pytestmark = pytest.mark.slow
 STEPS = 3
 SMALL = ["run.eval_every=0", "run.progress=false", "run.warm_start_steps=0", "buffer.batch_groups=2",
-         "buffer.group_size=2", "generator.concurrency=4", "generator.max_new_tokens=6", "buffer.max_staleness=1",
-         "generator.num_generators=2", "generator.on_update=keep"]
+         "buffer.group_size=2", "generator.concurrency=4", "buffer.max_staleness=1", "generator.num_generators=2",
+         "generator.on_update=keep",
+         # generation is the bottleneck (as in the long-tail workloads carry-over is for), so requests
+         # are still running when a batch completes
+         "generator.max_new_tokens=48", "generator.ignore_eos=true"]
 CASES = [(t, m, r) for t, m, r in itertools.product(("shm", "rdma", "collective"), ("keep", "abort", "drain"),
                                                      (True, False))]
 

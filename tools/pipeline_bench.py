@@ -5,9 +5,11 @@
 
 Both runs use the same components and config (task `pipeline.tasks.longtail` with `ignore_eos`, so
 lengths are lognormal); `run.mode=sync` generates a full batch, trains, syncs and repeats (Δ=0,
-max_staleness=0), `run.mode=async` overlaps generation, training and the weight push. Prints
-samples/s, trainer idle fraction, generator idle fraction and the async/sync speedup; writes
-results.json and pipeline_bench.png into --out. Extra `key=value` arguments override the config.
+max_staleness=0; a version is admitted only once every generator serves it, so nothing is dropped),
+`run.mode=async` overlaps generation, training and the weight push. Prints trained samples/s and
+trained tokens/s, trainer and generator idle fractions, dropped samples and wasted tokens per mode,
+and the async/sync speedup in both units; writes results.json and pipeline_bench.png into --out.
+Extra `key=value` arguments override the config.
 """
 
 from __future__ import annotations
@@ -40,13 +42,16 @@ def measure(mode: str, args, out: Path) -> dict:
     wall = rows[-1]["time_s"] - rows[0]["time_s"] + rows[0]["time/batch_wait_s"] + rows[0]["time/train_s"]
     train_s = sum(r["time/train_s"] for r in rows)
     samples = sum(r["samples"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
     gens = [v for k, v in summary["stats"].items() if k.startswith("generator")]
     gen_busy = sum(g["busy_s"] for g in gens) / max(len(gens), 1)
     return {"mode": mode, "steps": len(rows), "wall_s": wall, "samples_per_s": samples / wall,
+            "tokens_per_s": tokens / wall, "dropped_samples": rows[-1]["buffer/dropped_samples"],
+            "wasted_tokens": rows[-1]["buffer/wasted_tokens"],
             "trainer_idle_frac": 1 - train_s / wall,
             "generator_idle_frac": max(0.0, 1 - gen_busy / summary["elapsed_s"]),
             "mean_staleness": sum(r["staleness/mean"] for r in rows) / len(rows),
-            "tokens_per_sample": sum(r["tokens"] for r in rows) / samples}
+            "tokens_per_sample": tokens / samples}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -55,10 +60,11 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.5))
     modes = [r["mode"] for r in results]
-    for ax, key, title in zip(axes, ["samples_per_s", "trainer_idle_frac", "generator_idle_frac"],
-                              ["samples / s", "trainer idle fraction", "generator idle fraction"]):
+    for ax, key, title in zip(axes, ["samples_per_s", "tokens_per_s", "trainer_idle_frac", "generator_idle_frac"],
+                              ["trained samples / s", "trained tokens / s", "trainer idle fraction",
+                               "generator idle fraction"]):
         ax.bar(modes, [r[key] for r in results], color=["tab:gray", "tab:blue"][: len(modes)])
         ax.set_title(title)
     fig.suptitle("async vs sync, long-tail response lengths")
@@ -80,13 +86,17 @@ def main() -> int:
     out = Path(args.out)
     results = [measure(mode, args, out) for mode in ("sync", "async")]
     sync, asyn = results
-    print("\n| mode | samples/s | trainer idle | generator idle | mean staleness | tokens/sample |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("\n| mode | samples/s | tokens/s | trainer idle | generator idle | mean staleness | tokens/sample "
+          "| dropped samples | wasted tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['mode']} | {r['samples_per_s']:.2f} | {r['trainer_idle_frac']:.2f} | "
-              f"{r['generator_idle_frac']:.2f} | {r['mean_staleness']:.2f} | {r['tokens_per_sample']:.1f} |")
-    speedup = asyn["samples_per_s"] / sync["samples_per_s"]
-    print(f"\nasync/sync speedup: {speedup:.2f}x")
+        print(f"| {r['mode']} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['trainer_idle_frac']:.2f} | "
+              f"{r['generator_idle_frac']:.2f} | {r['mean_staleness']:.2f} | {r['tokens_per_sample']:.1f} | "
+              f"{r['dropped_samples']:.0f} | {r['wasted_tokens']:.0f} |")
+    speedup = {"samples": asyn["samples_per_s"] / sync["samples_per_s"],
+               "tokens": asyn["tokens_per_s"] / sync["tokens_per_s"]}
+    print(f"\nasync/sync speedup: {speedup['samples']:.2f}x in trained samples/s, "
+          f"{speedup['tokens']:.2f}x in trained tokens/s")
     (out / "results.json").write_text(json.dumps({"results": results, "speedup": speedup}, indent=2))
     plot(results, out / "pipeline_bench.png")
     print(f"wrote {out / 'results.json'} and {out / 'pipeline_bench.png'}")
