@@ -1,4 +1,4 @@
-"""Engine-side rollout bookkeeping, free of vLLM and Monarch: trajectories, input checks, stats.
+"""Engine-side rollout bookkeeping, free of vLLM and Monarch: trajectories, input checks, rewards, stats.
 
 A `Trajectory` is one sample (group_id, sample_idx) of an admitted PromptGroup. It is generated in
 one or more *segments* (vLLM requests): a weight update under `abort`, or a stage end under
@@ -14,19 +14,35 @@ even for tokens sampled just before a pause whose outputs reach the client after
     traj = Trajectory.new(group, sample_idx, prompt_tokens)
     traj.extend(token_ids, logprobs, spans_to_versions(spans, len(token_ids)))
     rollout = traj.to_rollout(completion_text, finish_reason, reward, generator_id)
+
+Faults stay local. A prompt that is empty, too long or cannot be tokenised fails its group
+(`RolloutStats.fail`, counted in "failed"); a reward that raises, is not a number, is NaN/inf or
+runs past task.reward_timeout_s (`RewardScorer`) rejects its sample and so its group
+(`RolloutStats.reject`, counted in "rejected"). Both go into a window of the last REJECT_WINDOW
+finished samples; `reject_rate_problem` turns a rejected fraction above task.max_reject_frac
+(once REJECT_MIN_SAMPLES were seen) into the message that ends the run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
+from pipeline.tasks import RewardRejected, Task
 from pipeline.types import PromptGroup, Rollout
 
-__all__ = ["RequestError", "Trajectory", "RolloutStats", "WorkSource", "spans_to_versions", "check_request"]
+__all__ = ["RequestError", "Trajectory", "RolloutStats", "RewardScorer", "WorkSource", "spans_to_versions",
+           "check_prompt", "check_request", "reject_rate_problem", "REJECT_WINDOW", "REJECT_MIN_SAMPLES"]
+
+REJECT_WINDOW = 200  # finished samples per generator the reject rate is measured over
+REJECT_MIN_SAMPLES = 20  # the rate is judged only once this many were seen
+LOGGED_REJECTS = 5  # the first rejected samples of a generator are logged with prompt and completion
 
 
 class RequestError(ValueError):
@@ -50,13 +66,18 @@ class WorkSource(Protocol):
     async def release(self, group_id: int) -> bool: ...
 
 
-def check_request(prompt_len: int, max_tokens: int, temperature: float, top_p: float, max_model_len: int) -> None:
-    """Raise RequestError for input vLLM must never see: empty or over-long prompt, bad sampling values."""
+def check_prompt(prompt_len: int, max_model_len: int) -> None:
+    """Raise RequestError for a prompt vLLM must never see: empty, or leaving no room to generate."""
     if prompt_len == 0:
         raise RequestError("empty_prompt", "prompt has no tokens")
     if prompt_len >= max_model_len:
         raise RequestError("prompt_too_long", f"prompt has {prompt_len} tokens; the context holds {max_model_len} "
                                               "and at least one must be left for the completion")
+
+
+def check_request(prompt_len: int, max_tokens: int, temperature: float, top_p: float, max_model_len: int) -> None:
+    """Raise RequestError for input vLLM must never see: empty or over-long prompt, bad sampling values."""
+    check_prompt(prompt_len, max_model_len)
     if not (isinstance(max_tokens, int) and max_tokens >= 1):
         raise RequestError("bad_sampling_params", f"max_tokens={max_tokens!r}; allowed: integer >= 1")
     if not (math.isfinite(temperature) and 0 <= temperature <= 10):
@@ -128,6 +149,79 @@ class Trajectory:
         return r
 
 
+class RewardScorer:
+    """Runs `task.reward` off the event loop: on daemon threads, at most `workers` at once, each call
+    bounded by `timeout_s` (task.reward_timeout_s).
+
+        scorer = RewardScorer(task, timeout_s=30.0, workers=4)
+        reward = await scorer.score(prompt, completion)   # float, or RewardRejected with a reason
+
+    A Python thread cannot be killed, so a reward past its timeout keeps its worker until it
+    returns (`overdue` counts those). Waiting for a free worker is bounded by the same timeout, so
+    rewards that hang for good make every later call a reward_timeout too, and the reject rate
+    stops the run. Daemon threads: a hung reward never holds up process exit.
+    """
+
+    def __init__(self, task: Task, timeout_s: float, workers: int):
+        if timeout_s <= 0 or workers < 1:
+            raise ValueError(f"RewardScorer: timeout_s={timeout_s}, workers={workers}; need > 0 and >= 1")
+        self.task, self.timeout_s = task, timeout_s
+        self._slots = asyncio.Semaphore(workers)
+        self.overdue = 0
+
+    async def score(self, prompt: str, completion: str) -> float:
+        t = self.timeout_s
+        try:
+            await asyncio.wait_for(self._slots.acquire(), t)
+        except asyncio.TimeoutError:
+            raise RewardRejected("reward_timeout", f"no reward worker free within {t:g}s (task.reward_timeout_s); "
+                                                   f"{self.overdue} reward call(s) still running past it") from None
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        late = False
+
+        def finished(result: tuple) -> None:  # on the loop, when the thread returns
+            nonlocal late
+            self._slots.release()
+            if late:
+                self.overdue -= 1
+            if not done.done():
+                done.set_result(result)
+
+        def run() -> None:
+            try:
+                result = (self.task.reward(prompt, completion), None)
+            except BaseException as e:  # anything the plug-in raises is that sample's fault
+                result = (None, e)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(finished, result)
+
+        threading.Thread(target=run, name="reward", daemon=True).start()
+        try:
+            value, err = await asyncio.wait_for(asyncio.shield(done), t)
+        except asyncio.TimeoutError:
+            if not done.done():
+                late = True
+                self.overdue += 1
+            raise RewardRejected("reward_timeout", f"reward still running after {t:g}s (task.reward_timeout_s)") from None
+        if isinstance(err, RewardRejected):
+            raise err
+        if err is not None:
+            raise RewardRejected("reward_raised", f"{type(err).__name__}: {err}") from err
+        return value
+
+
+def reject_rate_problem(snapshot: dict, max_frac: float) -> str | None:
+    """Why a generator's recent rejections should end the run (a `RolloutStats.snapshot()` with more
+    than `max_frac` of its last REJECT_WINDOW samples rejected, REJECT_MIN_SAMPLES seen), else None."""
+    n, frac = snapshot["recent_samples"], snapshot["recent_rejected_frac"]
+    if n < REJECT_MIN_SAMPLES or frac <= max_frac:
+        return None
+    last = snapshot["errors"][-1] if snapshot["errors"] else ""
+    return (f"{frac:.0%} of its last {n} samples were rejected, above task.max_reject_frac={max_frac:g}; "
+            f"top reason {snapshot['recent_top_reason']} (recent: {snapshot['recent_reasons']}); last: {last[:300]}")
+
+
 @dataclass
 class RolloutStats:
     """Counters behind the generator's `stats()` endpoint."""
@@ -140,8 +234,11 @@ class RolloutStats:
     carried_tokens: int = 0
     busy_s: float = 0.0
     pauses_s: list[float] = field(default_factory=list)
-    failed: Counter = field(default_factory=Counter)
+    failed: Counter = field(default_factory=Counter)  # bad requests (prompts) by reason
+    rejected: Counter = field(default_factory=Counter)  # rejected rewards by reason
+    eval_skipped: Counter = field(default_factory=Counter)  # eval prompts skipped, by reason
     errors: deque = field(default_factory=lambda: deque(maxlen=20))
+    recent: deque = field(default_factory=lambda: deque(maxlen=REJECT_WINDOW))  # reason, or None if accepted
     _busy_since: float | None = None
 
     def running(self, on: bool) -> None:
@@ -153,10 +250,28 @@ class RolloutStats:
             self._busy_since = None
 
     def fail(self, reason: str, message: str) -> None:
+        """A request that could not be served (its group is given back)."""
         self.failed[reason] += 1
         self.errors.append(message)
+        self.recent.append(reason)
+
+    def reject(self, reason: str, message: str) -> bool:
+        """A finished sample whose reward could not be used (its group is given back); True for the
+        first LOGGED_REJECTS, which the caller logs in full."""
+        self.rejected[reason] += 1
+        self.errors.append(message)
+        self.recent.append(reason)
+        return sum(self.rejected.values()) <= LOGGED_REJECTS
+
+    def accept(self) -> None:
+        """A finished sample with a usable reward."""
+        self.recent.append(None)
+
+    def recent_reasons(self) -> Counter:
+        return Counter(r for r in self.recent if r is not None)
 
     def snapshot(self) -> dict:
+        reasons = self.recent_reasons()
         busy = self.busy_s + (time.monotonic() - self._busy_since if self._busy_since is not None else 0.0)
         return {
             "groups": self.groups,
@@ -171,5 +286,11 @@ class RolloutStats:
             "pause_s": list(self.pauses_s),
             "pause_s_mean": sum(self.pauses_s) / len(self.pauses_s) if self.pauses_s else 0.0,
             "failed": dict(self.failed),
+            "rejected": dict(self.rejected),
+            "eval_skipped": dict(self.eval_skipped),
             "errors": list(self.errors),
+            "recent_samples": len(self.recent),
+            "recent_rejected_frac": sum(reasons.values()) / len(self.recent) if self.recent else 0.0,
+            "recent_reasons": dict(reasons),
+            "recent_top_reason": reasons.most_common(1)[0][0] if reasons else None,
         }

@@ -1,5 +1,7 @@
 """Input checks the trainer runs before a batch touches the weights (Batch.__post_init__ already
-checks shapes). Each failure raises BadBatchError naming the field and what is wrong."""
+checks shapes). Each failure raises BadBatchError naming the field and what is wrong; a batch with no
+loss tokens (every completion empty) raises its subclass EmptyBatchError, which the trainer treats
+as a skipped step rather than a bug."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ from pipeline.types import Batch
 
 class BadBatchError(ValueError):
     """A batch the trainer refuses; the weights were not touched."""
+
+
+class EmptyBatchError(BadBatchError):
+    """A well-formed batch with nothing to train on (no loss tokens): the step is skipped."""
 
 
 def _finite(name: str, x: torch.Tensor) -> None:
@@ -34,7 +40,7 @@ def _ids_and_mask(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: 
     if not torch.all((loss_mask == 0) | (loss_mask == 1)):
         raise BadBatchError("trainer: loss_mask must hold only 0 and 1")
     if float(loss_mask[:, 1:].sum()) == 0:
-        raise BadBatchError("trainer: batch has no loss tokens (loss_mask[:, 1:] is all zero); "
+        raise EmptyBatchError("trainer: batch has no loss tokens (loss_mask[:, 1:] is all zero); "
                             "position 0 can never be a trained token")
 
 

@@ -1,4 +1,5 @@
-"""Pure rollout bookkeeping (pipeline/rollout.py): version spans, input checks, re-prefill, pickling."""
+"""Pure rollout bookkeeping (pipeline/rollout.py): version spans, input checks, re-prefill, pickling,
+stats (reward rejections and the reject window are tested in tests/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pipeline.rollout import RequestError, RolloutStats, Trajectory, check_request, spans_to_versions
+from pipeline.rollout import RequestError, RolloutStats, Trajectory, check_prompt, check_request, spans_to_versions
 from pipeline.types import PromptGroup, PromptItem
 
 
@@ -49,6 +50,14 @@ def test_bad_requests_are_rejected_with_a_reason(args, reason):
     assert back.reason == reason and str(back) == str(e.value)
 
 
+@pytest.mark.parametrize("n,reason", [(0, "empty_prompt"), (16, "prompt_too_long"), (40, "prompt_too_long")])
+def test_prompts_that_leave_no_room_to_generate_are_refused_at_admission(n, reason):
+    with pytest.raises(RequestError) as e:
+        check_prompt(n, 16)
+    assert e.value.reason == reason
+    check_prompt(15, 16)  # one token of room is enough
+
+
 def test_resumed_segments_count_reprefill_and_keep_old_tokens():
     t = Trajectory(PromptGroup(7, PromptItem(0, "rev ab="), 2, 0), 1, (4, 5, 6))
     t.begin_segment()
@@ -69,5 +78,10 @@ def test_stats_report_failures_by_reason_and_pause_times():
     s.fail("empty_prompt", "g1: empty")
     s.fail("empty_prompt", "g2: empty")
     s.pauses_s += [0.5, 1.5]
+    s.reject("reward_nan", "g3 s0: nan")
+    s.accept()
     snap = s.snapshot()
     assert snap["failed"] == {"empty_prompt": 2} and snap["pause_s_mean"] == 1.0 and snap["updates"] == 2
+    assert snap["rejected"] == {"reward_nan": 1} and snap["recent_samples"] == 4
+    assert snap["recent_rejected_frac"] == 0.75 and snap["recent_top_reason"] == "empty_prompt"
+    assert snap["recent_reasons"] == {"empty_prompt": 2, "reward_nan": 1} and snap["errors"][-1] == "g3 s0: nan"

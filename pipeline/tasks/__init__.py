@@ -7,7 +7,10 @@ A task is any importable module (or object) named in config by dotted path (`tas
     def demonstration(item: PromptItem) -> str                  # optional: the ideal completion
 
 so a user's task lives outside this repository. `load_task` checks the contract and fails with a
-message naming what is missing. `PromptStream` serves prompts through `torchdata.nodes`, so the
+message naming what is missing. `Task.reward` checks each answer: a reward that raises, is not a
+real number (a str like "0.5" or a bool is not; int, float and numpy scalars are) or is NaN/inf
+raises RewardRejected with the reason it is counted under (pipeline/rollout.py runs it off the
+event loop with a timeout, which adds reward_timeout). `PromptStream` serves prompts through `torchdata.nodes`, so the
 position in the stream is part of a checkpoint (`state_dict` / `load_state_dict`).
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -23,11 +27,36 @@ from torchdata.nodes import IterableWrapper, Loader
 
 from pipeline.types import PromptItem
 
-__all__ = ["Task", "TaskError", "load_task", "PromptStream"]
+__all__ = ["Task", "TaskError", "RewardRejected", "REWARD_REASONS", "check_reward", "load_task", "PromptStream"]
+
+REWARD_REASONS = ("reward_raised", "reward_nan", "reward_not_a_number", "reward_timeout")
 
 
 class TaskError(ValueError):
     """A task path that does not import or does not satisfy the task contract."""
+
+
+class RewardRejected(TaskError):
+    """One reward call that cannot be used; `reason` (one of REWARD_REASONS) is its counter."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message = reason, message
+
+    def __reduce__(self):  # crosses actor boundaries: pickle with both arguments
+        return (type(self), (self.reason, self.message))
+
+
+def check_reward(value: object) -> float:
+    """`value` as a float if it is a finite real number, else RewardRejected. bool is refused
+    although Python counts it as an int: a task returning True almost surely meant a score."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RewardRejected("reward_not_a_number", f"returned {value!r} of type {type(value).__name__}; "
+                                                    "a reward is an int or a float")
+    r = float(value)
+    if not math.isfinite(r):
+        raise RewardRejected("reward_nan", f"returned {r}")
+    return r
 
 
 @dataclass(frozen=True)
@@ -38,10 +67,13 @@ class Task:
     demonstration: Callable[[PromptItem], str] | None = None
 
     def reward(self, prompt: str, completion: str) -> float:
-        r = float(self.reward_fn(prompt, completion))
-        if not math.isfinite(r):
-            raise TaskError(f"task {self.name}: reward({prompt!r}, {completion!r}) returned {r}")
-        return r
+        """The plug-in's reward, checked; RewardRejected (reward_raised, reward_nan,
+        reward_not_a_number) if it cannot be used."""
+        try:
+            value = self.reward_fn(prompt, completion)
+        except Exception as e:
+            raise RewardRejected("reward_raised", f"task {self.name}: {type(e).__name__}: {e}") from e
+        return check_reward(value)
 
 
 def _resolve(path: str) -> Any:
