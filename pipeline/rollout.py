@@ -203,7 +203,8 @@ class RewardScorer:
             if not done.done():
                 late = True
                 self.overdue += 1
-            raise RewardRejected("reward_timeout", f"reward still running after {t:g}s (task.reward_timeout_s)") from None
+            raise RewardRejected("reward_timeout",
+                                 f"reward still running after {t:g}s (task.reward_timeout_s)") from None
         if isinstance(err, RewardRejected):
             raise err
         if err is not None:
