@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from pipeline.config import Config
+from pipeline.procs import descendants, me
 from pipeline.rollout_engine import RolloutEngine
 from pipeline.types import PromptGroup, Rollout
 
@@ -35,38 +37,62 @@ __all__ = ["GeneratorActor", "MeshSource"]
 
 
 class MeshSource:
-    """The WorkSource protocol over a buffer actor mesh (anything with admit/add/release endpoints)."""
+    """The WorkSource protocol over a buffer actor mesh (anything with admit/add/release endpoints).
+    Every call is bounded by generator.call_timeout_s (admit: plus its own wait). A call is never
+    abandoned midway when its caller is cancelled (shutdown): the buffer would be left replying to a
+    port nobody holds, which Monarch counts as the buffer's failure. `drain` waits for them."""
 
-    def __init__(self, mesh, generator_id: int):
-        self.mesh, self.generator_id = mesh, generator_id
+    def __init__(self, mesh, lessee: tuple[int, int], timeout_s: float):
+        self.mesh, self.lessee, self.timeout_s = mesh, lessee, timeout_s
+        self.generator_id = lessee[0]
+        self._outstanding: set[asyncio.Future] = set()
+
+    async def _call(self, what: str, aw, extra_s: float = 0.0):
+        call = asyncio.ensure_future(asyncio.wait_for(aw, self.timeout_s + extra_s))
+        self._outstanding.add(call)
+        call.add_done_callback(self._outstanding.discard)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"generator {self.generator_id}: buffer.{what} did not answer within "
+                               f"{self.timeout_s + extra_s:.0f}s (generator.call_timeout_s)") from None
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) for calls still on their way, e.g. after the callers were cancelled."""
+        if self._outstanding:
+            await asyncio.wait(set(self._outstanding), timeout=timeout_s)
 
     async def admit(self, wait_s: float) -> PromptGroup | None:
-        return await self.mesh.admit.call_one(wait_s, self.generator_id)
+        return await self._call("admit", self.mesh.admit.call_one(wait_s, self.lessee), wait_s)
 
     async def add(self, rollout: Rollout) -> None:
-        await self.mesh.add.call_one(rollout)
+        await self._call("add", self.mesh.add.call_one(rollout))
 
     async def release(self, group_id: int) -> bool:
-        return await self.mesh.release.call_one(group_id)
+        return await self._call("release", self.mesh.release.call_one(group_id))
 
 
 class GeneratorActor(Actor):
-    def __init__(self, cfg: Config, generator_id: int):
+    def __init__(self, cfg: Config, generator_id: int, incarnation: int = 0):
         self.cfg = cfg
+        self.incarnation = incarnation  # how many times generator `generator_id` was restarted before this one
         self.core = RolloutEngine(cfg, generator_id)
         self.receiver = None
 
     @endpoint
-    async def setup(self) -> dict:
-        """Start the vLLM engine on model_dir(cfg.model); it serves version 0."""
+    async def setup(self, version: int = 0) -> dict:
+        """Start the vLLM engine on model_dir(cfg.model), serving those weights as `version` (a
+        restarted generator starts on the trainer's latest export). Reports this proc's pid and its
+        engine processes, so a supervisor can clean up after a hard kill."""
         from pipeline.weightsync import vllm_engine_kwargs
 
-        return await self.core.start_engine(vllm_engine_kwargs())
+        info = await self.core.start_engine(vllm_engine_kwargs(), version)
+        return {**info, "procs": [me(), *descendants(os.getpid())]}
 
     @endpoint
     async def start_generation(self, buffer) -> None:
         """Begin a stage: keep generator.concurrency requests in flight, carried-over partials first."""
-        self.core.begin_stage(MeshSource(buffer, self.core.gid))
+        self.core.begin_stage(MeshSource(buffer, (self.core.gid, self.incarnation), self.cfg.generator.call_timeout_s))
 
     @endpoint
     async def end_stage(self, carry_over: str | None = None, resume_on_update: bool = False) -> dict:
@@ -76,14 +102,15 @@ class GeneratorActor(Actor):
         return await self.core.end_stage(self.cfg.generator.request_timeout_s, carry_over, resume_on_update)
 
     @endpoint
-    async def attach_weights(self, handle) -> None:
-        """Build the WeightReceiver for a sender's handle; a later call replaces it (new transport)."""
+    async def attach_weights(self, handle, rank: int | None = None) -> None:
+        """Build the WeightReceiver for a sender's handle as receiver `rank` (default: the generator
+        id); a later call replaces it (a new transport or group)."""
         from pipeline.weightsync import WeightReceiver
 
         self.core.check()
         if self.receiver is not None:
             self.receiver.close()
-        self.receiver = WeightReceiver(handle, self.core.gid)
+        self.receiver = WeightReceiver(handle, self.core.gid if rank is None else rank)
         self.receiver.loaded_version = self.core.version
 
     @concurrent_endpoint
@@ -133,7 +160,7 @@ class GeneratorActor(Actor):
         self.core.check()
         return self.core.version
 
-    @endpoint
+    @concurrent_endpoint  # answers while an update is in progress: the supervisor's probe must not queue
     async def stats(self) -> dict:
         """version, in_flight, tokens, tokens_per_s, reprefill_tokens, pause_s (per update), failed by reason."""
         return self.core.snapshot()
@@ -146,6 +173,8 @@ class GeneratorActor(Actor):
     @endpoint
     async def shutdown(self) -> None:
         await self.core.close()
+        if isinstance(self.core.source, MeshSource):
+            await self.core.source.drain(self.cfg.generator.admit_wait_s + self.cfg.generator.call_timeout_s)
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None

@@ -2,11 +2,12 @@
 
 Protocol (generators pull work and push samples; the trainer pulls batches):
 
-    group = await buf.admit.call_one(0.5, gid)       # PromptGroup (leased to gid), None while closed
-    n = await buf.release_generator.call_one(gid)    # gid died: its groups are requeued
+    group = await buf.admit.call_one(0.5, (g, k))    # PromptGroup leased to generator g, incarnation k
+    n = await buf.release_generator.call_one((g, k)) # it died: its groups are requeued
     await buf.add.call_one(rollout)                  # raises (ActorError) on a bad rollout
     await buf.release.call_one(group_id)             # a generator gave up on a group
     batch = await buf.get_batch.call_one(v, 60.0)    # waits for B complete groups at version v
+    await buf.skip_batch.call_one(batch.group_ids)   # the trainer skipped its step: groups dropped
     stats = await buf.finish_step.call_one(v + 1, mean_reward)   # new version, Δ update -> stats()
     stats = await buf.stats.call_one()
 
@@ -19,6 +20,7 @@ state_dict() is exactly the prompts handed out.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -30,6 +32,8 @@ from pipeline.types import Batch, PromptGroup, Rollout
 
 __all__ = ["ReplayBufferActor"]
 
+log = logging.getLogger(__name__)
+
 
 class ReplayBufferActor(Actor):
     def __init__(self, cfg: Config, pad_id: int):
@@ -37,6 +41,12 @@ class ReplayBufferActor(Actor):
         self.core = ReplayBufferCore(cfg.buffer, pad_id)
         self.prompts = PromptStream(load_task(cfg.task.name), cfg.task.seed)
         self.changed = asyncio.Condition()
+
+    def _handle_undeliverable_message(self, message) -> bool:
+        """A reply to a generator that died meanwhile cannot be delivered. Monarch would fail this
+        actor for it; the generator's supervisor requeues the groups it held, so carry on."""
+        log.warning("buffer: a reply could not be delivered (its generator died?): %s", message)
+        return True
 
     async def _notify(self) -> None:
         async with self.changed:
@@ -46,25 +56,27 @@ class ReplayBufferActor(Actor):
         return self.core.has_requeued() or self.core.can_admit()
 
     @concurrent_endpoint
-    async def admit(self, wait_s: float = 0.0, generator_id: int = 0) -> PromptGroup | None:
-        """Next prompt group for `generator_id` (a requeued group first), or None if admission stays
-        closed for `wait_s` seconds."""
+    async def admit(self, wait_s: float = 0.0, lessee: tuple[int, int] = (0, 0)) -> PromptGroup | None:
+        """Next prompt group for `lessee` = (generator id, incarnation) (a requeued group first), or
+        None if admission stays closed for `wait_s` seconds or the lessee was released meanwhile."""
         if not self._has_work() and wait_s > 0:
             async with self.changed:
                 try:
                     await asyncio.wait_for(self.changed.wait_for(self._has_work), wait_s)
                 except asyncio.TimeoutError:
                     return None
+        if self.core.revoked(lessee):
+            return None
         if self.core.has_requeued():
-            return self.core.take_requeued(generator_id)
+            return self.core.take_requeued(lessee)
         if not self.core.can_admit():
             return None
-        return self.core.admit(next(self.prompts), generator_id)
+        return self.core.admit(next(self.prompts), lessee)
 
     @endpoint
-    async def release_generator(self, generator_id: int) -> int:
-        """Generator `generator_id` died: its in-flight groups are generated again; returns how many."""
-        n = self.core.release_generator(generator_id)
+    async def release_generator(self, lessee: tuple[int, int]) -> int:
+        """The generator incarnation `lessee` died: its in-flight groups are generated again; how many."""
+        n = self.core.release_generator(lessee)
         await self._notify()
         return n
 
@@ -101,6 +113,14 @@ class ReplayBufferActor(Actor):
             self.core.record_wait(time.monotonic() - t0)
             self.changed.notify_all()  # taking B groups opens admission
         return batch
+
+    @endpoint
+    async def skip_batch(self, group_ids: tuple[int, ...]) -> int:
+        """The trainer skipped the step of the last batch (its version did not advance): its groups
+        are booked as dropped ("skipped_step"), which opens their admission slots again."""
+        n = self.core.skip_batch(group_ids)
+        await self._notify()
+        return n
 
     @endpoint
     async def finish_step(self, version: int, mean_reward: float) -> dict:

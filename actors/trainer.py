@@ -6,7 +6,7 @@
     wv = await trainer.push_weights()                  # WeightVersion; returns once the snapshot is packed
                                                        # (pipeline.weightsync.sync.WeightSync drives it)
     await trainer.save(path, data_state) / await trainer.load(path) -> data_state
-    await trainer.export_hf(out_dir)                   # vLLM-loadable HF directory
+    v = await trainer.export_hf(out_dir)               # vLLM-loadable HF directory of version v
     await trainer.close()
 
 Rendezvous: rank 0 alone opens a listening socket where the others reach it (`rendezvous_point`:
@@ -106,8 +106,10 @@ class TrainerActor(Actor):
         return self._c().load(path)
 
     @endpoint
-    async def export_hf(self, path: str) -> str:
-        return self._c().export_hf(path)
+    async def export_hf(self, path: str) -> int:
+        """Write a vLLM-loadable HF directory; returns the version of the weights written."""
+        self._c().export_hf(path)
+        return self._c().version
 
     @endpoint
     async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):
@@ -196,7 +198,7 @@ class Trainer:
     async def load(self, path: str) -> dict:
         return await self.call_all("load", str(path))
 
-    async def export_hf(self, path: str) -> str:
+    async def export_hf(self, path: str) -> int:
         return await self.call_all("export_hf", str(path))
 
     async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):

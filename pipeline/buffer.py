@@ -10,17 +10,22 @@ Life of a prompt group (G = group_size, B = batch_groups, η = max_staleness, v 
 Groups are trained or dropped whole: the GRPO baseline is the group mean, so a group missing a
 sample would have a biased baseline, and a batch always holds exactly B·G samples. Drop reasons:
 "stale" (some sample is older than η), "zero_signal" (equal rewards and zero_signal=drop),
-"failed" (release() by a generator), "restored" (held when a checkpoint was loaded).
+"failed" (release() by a generator), "skipped_step" (skip_batch(): the trainer skipped the step
+of the last batch taken).
 
 Accounting: each admitted group brings G sample slots and check_accounting() verifies
 
     admitted_samples == trained_samples + sum(dropped_samples by reason) + held_samples
 
 where held groups are in flight or complete-but-untrained (G slots each). Each in-flight group is
-leased to the generator generating it; release_generator(g) (g died) requeues g's groups whole, to
-be handed out again before any new prompt: they stay held, so the identity holds across a kill,
-and samples still arriving under a revoked lease are ignored as late. Bad rollouts are
-rejected (RolloutRejected, counted by reason) and change nothing else.
+leased to the generator generating it, named by a lessee (generator id, incarnation);
+release_generator(lessee) (it died) requeues its groups whole, to be handed out again before any
+new prompt: they stay held, so the identity holds across a kill. The lessee is revoked for good:
+an admit it still had pending gets nothing (its reply could never arrive), and samples still
+arriving under a revoked lease are ignored as late. Bad rollouts are
+rejected (RolloutRejected, counted by reason) and change nothing else. A checkpoint keeps the held
+groups (state_dict): after a resume the complete ones are trained and the in-flight ones requeued,
+so a restart drops nothing and the identity holds across it.
 
 Admission: can_admit() holds iff, after one more group,
 
@@ -43,7 +48,10 @@ Samples still arriving for a group dropped in flight are ignored and counted as 
 
 Contract with the controller: one batch per trainer version (the bound weighs trained groups
 against v·B), and set_trainer_version(v+1) before any generator serves weights v+1; a token
-version above the buffer's version is rejected as from the future.
+version above the buffer's version is rejected as from the future. A batch whose step the trainer
+skipped (the version did not advance) goes back with skip_batch(), which books its groups as
+dropped instead of trained: otherwise they would count against v·B and, with η = 0, admission
+would stay closed for good.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 
@@ -58,7 +67,9 @@ from pipeline.config import BufferConfig
 from pipeline.overcommit import DeltaController
 from pipeline.types import Batch, PromptGroup, PromptItem, Rollout
 
-__all__ = ["ReplayBufferCore", "RolloutRejected", "group_advantages"]
+__all__ = ["ReplayBufferCore", "RolloutRejected", "group_advantages", "Lessee"]
+
+Lessee = tuple[int, int]  # (generator id, incarnation): a restarted generator is a new lessee
 
 _STD_EPS = 1e-6
 
@@ -112,12 +123,14 @@ class ReplayBufferCore:
         self.rejected: Counter[str] = Counter()
         self.late_rollouts = self.zero_signal_groups = self.deferred_groups = 0
         self.wasted_tokens = 0  # completion tokens of samples never trained on (dropped groups, late rollouts)
-        self._lease: dict[int, int | None] = {}  # in-flight group -> the generator generating it
+        self._lease: dict[int, Lessee | None] = {}  # in-flight group -> who generates it
+        self._revoked: set[Lessee] = set()  # lessees declared dead
         self._requeued: deque[int] = deque()  # in-flight groups whose generator died, to hand out again
         self.requeued_groups = 0
         self.staleness_hist: Counter[int] = Counter()
         self.wait_s_total = self.wait_s_last = 0.0
         self.delta_capped_steps = 0  # steps whose Δ exceeded what the staleness bound admits
+        self._last_batch: dict | None = None  # what take_batch booked, so skip_batch can undo it
 
     # ---- admission ---------------------------------------------------------------------------
     @property
@@ -141,8 +154,8 @@ class ReplayBufferCore:
     def can_admit(self) -> bool:
         return self.held_groups + 1 <= self.admission_limit()
 
-    def admit(self, item: PromptItem, generator_id: int = 0) -> PromptGroup:
-        """A new group, leased to `generator_id` (which generates all G samples)."""
+    def admit(self, item: PromptItem, lessee: Lessee = (0, 0)) -> PromptGroup:
+        """A new group, leased to `lessee` (which generates all G samples)."""
         if not self.can_admit():
             raise RuntimeError(f"buffer: cannot admit, {self.held_groups} groups held and the limit is "
                                f"{self.admission_limit()} at version {self.version}; check can_admit()")
@@ -151,31 +164,35 @@ class ReplayBufferCore:
         self._next_id += 1
         self.admitted_groups += 1
         self._in_flight[g.group_id] = _Group(g)
-        self._lease[g.group_id] = generator_id
+        self._lease[g.group_id] = lessee
         return g
 
     def has_requeued(self) -> bool:
         return bool(self._requeued)
 
-    def take_requeued(self, generator_id: int) -> PromptGroup:
-        """The oldest requeued group, leased anew to `generator_id` (it is still held: no admission check)."""
+    def revoked(self, lessee: Lessee) -> bool:
+        return lessee in self._revoked
+
+    def take_requeued(self, lessee: Lessee) -> PromptGroup:
+        """The oldest requeued group, leased anew to `lessee` (it is still held: no admission check)."""
         gid = self._requeued.popleft()
-        self._lease[gid] = generator_id
+        self._lease[gid] = lessee
         return self._in_flight[gid].group
 
-    def release_generator(self, generator_id: int) -> int:
+    def release_generator(self, lessee: Lessee) -> int:
         """A generator died: every group it holds in flight goes back to be generated again (whole:
         samples it already sent are discarded, as wasted tokens). The groups stay held, so the
         accounting identity is unchanged; returns how many were requeued."""
         n = 0
         for gid, g in self._in_flight.items():
-            if self._lease.get(gid) == generator_id:
+            if self._lease.get(gid) == lessee:
                 self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
                 g.samples.clear()
                 self._lease[gid] = None
                 self._requeued.append(gid)
                 n += 1
         self.requeued_groups += n
+        self._revoked.add(lessee)
         return n
 
     def release(self, group_id: int) -> bool:
@@ -198,7 +215,8 @@ class ReplayBufferCore:
             self.rejected[problem[0]] += 1
             raise RolloutRejected(*problem)
         gid, idx = rollout.group_id, rollout.sample_idx
-        if gid in self._in_flight and self._lease.get(gid) != rollout.generator_id:
+        lease = self._lease.get(gid)
+        if gid in self._in_flight and (lease is None or lease[0] != rollout.generator_id):
             # from a generator whose lease was revoked (declared dead, the group requeued elsewhere)
             self.late_rollouts += 1
             self.wasted_tokens += len(rollout.completion_tokens)
@@ -311,10 +329,32 @@ class ReplayBufferCore:
         self.trained_groups += B
         self.batches += 1
         self.deferred_groups += self.held_groups  # carried over into the next step, not dropped
+        self._last_batch = {"ids": sorted(g.group.group_id for g in groups), "deferred": self.held_groups,
+                            "tokens": sum(len(r.completion_tokens) for r, _, _ in samples),
+                            "staleness": Counter(_staleness(r, self.version) for r, _, _ in samples)}
         return Batch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=logprobs,
                      versions=versions, advantages=torch.tensor([a for _, a, _ in samples], dtype=torch.float32),
                      rewards=torch.tensor([r.reward for r, _, _ in samples], dtype=torch.float32),
                      group_ids=tuple(gid for _, _, gid in samples), trainer_version=self.version)
+
+    def skip_batch(self, group_ids: Iterable[int]) -> int:
+        """The trainer skipped the step of the last batch taken (non-finite loss or gradient, no loss
+        tokens): book its groups as dropped ("skipped_step", their tokens wasted) instead of trained,
+        and undo the batch's other counts. The identity holds, and since trained_groups falls back,
+        the staleness bound gives their B slots back at the unchanged version. `group_ids` must name
+        that batch (Batch.group_ids); each batch can be given back once. Returns the groups dropped."""
+        ids, last = sorted(set(group_ids)), self._last_batch
+        if last is None or ids != last["ids"]:
+            raise ValueError(f"buffer: skip_batch of groups {ids}, but the last batch taken and not given back "
+                             f"is {last['ids'] if last else 'none'}")
+        self._last_batch = None
+        self.trained_groups -= len(ids)
+        self.batches -= 1
+        self.deferred_groups -= last["deferred"]
+        self.staleness_hist -= last["staleness"]
+        self.dropped_groups["skipped_step"] += len(ids)
+        self.wasted_tokens += last["tokens"]
+        return len(ids)
 
     def end_step(self, mean_reward: float) -> int:
         """Feed the step's mean reward to the Δ controller; returns Δ for the next step (and counts
@@ -362,31 +402,45 @@ class ReplayBufferCore:
         }
 
     def state_dict(self) -> dict:
-        """Counters, version and Δ. Held groups are not saved: their generators do not survive a
-        restart, so on load they count as dropped ("restored") and any stragglers as late."""
+        """Counters, version, Δ and every held group. Complete groups keep their rollouts and
+        advantages: after a resume they are trained, in the same order. In-flight groups keep their
+        PromptGroup only: their generators (and any partial rollouts those carried) do not survive a
+        restart, so on load they are requeued whole, as by release_generator (not dropped)."""
+        G = self.cfg.group_size
         return {"version": self.version, "next_id": self._next_id, "admitted_groups": self.admitted_groups,
                 "trained_groups": self.trained_groups, "batches": self.batches,
                 "dropped_groups": dict(self.dropped_groups), "rejected": dict(self.rejected),
                 "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
                 "requeued_groups": self.requeued_groups,
                 "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups, "staleness_hist": dict(self.staleness_hist),
-                "wait_s_total": self.wait_s_total, "held_ids": sorted([*self._in_flight, *self._complete]),
+                "wait_s_total": self.wait_s_total,
+                "complete": [(g.group, [g.samples[i] for i in range(G)], list(g.advantages))
+                             for g in self._complete.values()],
+                "in_flight": [(g.group, sum(len(r.completion_tokens) for r in g.samples.values()))
+                              for g in self._in_flight.values()],
                 "delta_capped_steps": self.delta_capped_steps, "delta": self.delta_ctl.state_dict()}
 
     def load_state_dict(self, s: dict) -> None:
+        """Restore a state_dict into a fresh buffer: complete groups are ready to train, in-flight
+        ones wait in the requeue (handed out before any new prompt); the accounting identity holds."""
         if self.held_groups or self.admitted_groups:
             raise RuntimeError("buffer: load_state_dict needs a fresh buffer (nothing admitted yet)")
         self.version, self._next_id = s["version"], s["next_id"]
         self.admitted_groups, self.trained_groups, self.batches = (
             s["admitted_groups"], s["trained_groups"], s["batches"])
         self.dropped_groups = Counter(s["dropped_groups"])
-        if s["held_ids"]:
-            self.dropped_groups["restored"] += len(s["held_ids"])
         self.rejected = Counter(s["rejected"])
         self.late_rollouts, self.zero_signal_groups = s["late_rollouts"], s["zero_signal_groups"]
         self.wasted_tokens, self.requeued_groups = s["wasted_tokens"], s["requeued_groups"]
         self.deferred_groups, self.wait_s_total = s["deferred_groups"], s["wait_s_total"]
-        self.delta_capped_steps = s.get("delta_capped_steps", 0)  # absent in older checkpoints
+        self.delta_capped_steps = s["delta_capped_steps"]
         self.staleness_hist = Counter(s["staleness_hist"])
-        self._late = {gid: set(range(self.cfg.group_size)) for gid in s["held_ids"]}
+        for group, samples, advantages in s["complete"]:
+            self._complete[group.group_id] = _Group(group, dict(enumerate(samples)), list(advantages))
+        for group, received_tokens in s["in_flight"]:
+            self._in_flight[group.group_id] = _Group(group)
+            self._lease[group.group_id] = None
+            self._requeued.append(group.group_id)
+            self.wasted_tokens += received_tokens  # its samples so far are generated again
+        self.requeued_groups += len(s["in_flight"])
         self.delta_ctl.load_state_dict(s["delta"])

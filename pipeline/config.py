@@ -123,6 +123,13 @@ class GeneratorConfig:
     placement: str = "spread"
     """Hosts of a multi-host job the generators run on: spread (generator i on host i mod hosts) |
     first (all on the first host, with the buffer and trainer rank 0). One host: no difference."""
+    max_restarts: int = 3
+    """Restarts allowed per generator after its engine or proc dies (0..1000); past it the run ends naming it."""
+    health_timeout_s: float = 60.0
+    """Seconds a generator's health probe may take; three probes in a row past it count as a hung generator (> 0)."""
+    call_timeout_s: float = 120.0
+    """Seconds a generator's call to the buffer (admit beyond its wait, add, release) or to its own engine's
+    control (pause, resume, version label) may take before it fails (> 0)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_generators <= 64, "generator.num_generators", self.num_generators, "1..64")
@@ -143,6 +150,9 @@ class GeneratorConfig:
         _choice("generator.logprobs_mode", self.logprobs_mode, ("processed", "raw"))
         _check(0 < self.admit_wait_s <= 60, "generator.admit_wait_s", self.admit_wait_s, "0 < s <= 60")
         _choice("generator.placement", self.placement, ("spread", "first"))
+        _check(0 <= self.max_restarts <= 1000, "generator.max_restarts", self.max_restarts, "0..1000")
+        _check(self.health_timeout_s > 0, "generator.health_timeout_s", self.health_timeout_s, "> 0")
+        _check(self.call_timeout_s > 0, "generator.call_timeout_s", self.call_timeout_s, "> 0")
         # A partial saved at a stage end resumes under newer weights, so drain's one-version promise breaks.
         _check(not (self.on_update == "drain" and self.carry_over == "save"), "generator.carry_over",
                self.carry_over, "'keep' when generator.on_update='drain'")
@@ -241,6 +251,9 @@ class TrainerConfig:
     """Seconds the trainer ranks may take to rendezvous and build the model before start fails."""
     step_timeout_s: float = 600.0
     """Seconds one trainer call (step, save, load, export, push) may take before it fails."""
+    max_skipped_steps: int = 5
+    """Steps in a row the trainer may skip (non-finite loss or gradient, a batch with no loss
+    tokens; each batch goes back to the buffer as dropped) before the run stops (>= 1)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.num_ranks <= 4096, "trainer.num_ranks", self.num_ranks, "1..4096")
@@ -269,6 +282,7 @@ class TrainerConfig:
         _check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, ">= 0")
         _check(self.init_timeout_s > 0, "trainer.init_timeout_s", self.init_timeout_s, "> 0")
         _check(self.step_timeout_s > 0, "trainer.step_timeout_s", self.step_timeout_s, "> 0")
+        _check(self.max_skipped_steps >= 1, "trainer.max_skipped_steps", self.max_skipped_steps, ">= 1")
 
 
 @dataclass
@@ -299,10 +313,21 @@ class TaskConfig:
     """Seed of the prompt stream."""
     eval_prompts: int = 32
     """Held-out prompts scored for the learning curve (0..100000)."""
+    reward_timeout_s: float = 30.0
+    """Seconds one reward call may run (> 0); past it the sample is rejected as reward_timeout."""
+    reward_workers: int = 4
+    """Reward calls run at once per process, on threads off the event loop (1..256)."""
+    max_reject_frac: float = 0.2
+    """The run stops when more than this fraction of a generator's recent samples (its last 200,
+    once 20 were seen) were rejected: a reward that raised, was NaN/inf or not a number, timed out,
+    or a prompt that was empty, too long or not tokenisable (0 < x <= 1; 1 never stops)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")
         _check(0 <= self.eval_prompts <= 100000, "task.eval_prompts", self.eval_prompts, "0..100000")
+        _check(self.reward_timeout_s > 0, "task.reward_timeout_s", self.reward_timeout_s, "> 0")
+        _check(1 <= self.reward_workers <= 256, "task.reward_workers", self.reward_workers, "1..256")
+        _check(0 < self.max_reject_frac <= 1, "task.max_reject_frac", self.max_reject_frac, "0 < x <= 1")
 
 
 @dataclass
@@ -322,10 +347,15 @@ class RunConfig:
     progress: bool = True
     """Show a progress bar."""
     checkpoint_every: int = 0
-    """Save a resumable checkpoint (trainer model + optimizer + version, buffer counters, prompt
-    position) under out_dir/checkpoints/step_N every this many steps; 0 saves none."""
+    """Save a resumable checkpoint (pipeline/checkpoint.py: trainer, buffer with its held groups,
+    prompt position, RNG, eval curve) as out_dir/checkpoints/step_N every this many steps, and a
+    last one when the run fails or is interrupted; 0 saves none."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in out_dir/checkpoints, the newest (>= 0; 0 keeps all)."""
     resume: str = ""
-    """A checkpoint directory written by checkpoint_every to continue from (its step + 1 up to run.steps)."""
+    """Continue from a checkpoint (its step + 1 up to run.steps): 'latest' (the newest complete one
+    under out_dir/checkpoints) or a step_N directory. It must match this config's model shape,
+    tokenizer, task.name, buffer.batch_groups and buffer.group_size; other keys take the new value."""
 
     def __post_init__(self) -> None:
         _choice("run.mode", self.mode, ("async", "sync"))
@@ -333,8 +363,13 @@ class RunConfig:
         _check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, ">= 0")
-        _check(not self.resume or (Path(self.resume) / "controller_state.pt").is_file(), "run.resume",
-               self.resume, "a checkpoint directory containing controller_state.pt (run.checkpoint_every writes them)")
+        _check(self.keep_checkpoints >= 0, "run.keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
+        if self.resume and self.resume != "latest":  # 'latest' is resolved by load_config
+            from pipeline.checkpoint import incomplete
+
+            why = incomplete(self.resume)
+            _check(why is None, "run.resume", self.resume,
+                   f"'latest' or a complete checkpoint directory written by run.checkpoint_every (this one: {why})")
 
 
 @dataclass
@@ -389,6 +424,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         msg = str(e).splitlines()[0]
         raise ConfigError(f"config: bad key {key!r}: {msg}") from None
     assert isinstance(obj, Config)
+    if obj.run.resume:  # resolve 'latest' and refuse a checkpoint of another model or batch shape, now
+        from pipeline.checkpoint import prepare_resume
+
+        obj = prepare_resume(obj)
     return obj
 
 

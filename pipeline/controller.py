@@ -8,8 +8,11 @@
 `run(cfg)` composes these into the job: generation runs inside the generator actors (CoPRIS fixed
 concurrency, pulling admitted groups from the buffer); the training loop here waits for a batch,
 trains and hands version v to `pipe.sync` (pipeline/weightsync/sync.py, which owns the push
-protocol for every transport). A health loop watches every actor; the first loop that fails stops
-the run with its error, and shutdown always stops every proc mesh (Ctrl-C included).
+protocol for every transport). Beside it `pipe.supervise()` watches the generators: a dead engine
+or proc (a failed probe, a failed push, a Monarch fault) is stopped, its leased groups go back to the
+buffer, and a new generator starts on the trainer's latest weights while the others keep generating
+(generator.max_restarts bounds it). The first loop that fails stops the run with its error, and
+shutdown always stops every proc mesh (Ctrl-C included).
 
 One step, async mode (`run.mode=async`):
     batch(v-1) -> [carry_over=save: every generator ends its stage; partials resume on v]
@@ -26,18 +29,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import shutil
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.checkpoint import (Checkpoints, load_controller_state, prepare_resume, read_marker, rng_state,
+                                 save_controller_state, set_rng_state)
 from pipeline.config import Config
 from pipeline.metrics import MetricsSink, Progress, plot_summary
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer, model_dir
-from pipeline.tasks import load_task, take
+from pipeline.procs import kill
+from pipeline.rollout import RewardScorer, reject_rate_problem
+from pipeline.tasks import RewardRejected, load_task, take
+from pipeline.train_core import TooManySkippedSteps, skipped_step_error
 from pipeline.weightsync.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -45,6 +56,7 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 600.0
 HEALTH_PERIOD_S = 2.0
 EVAL_SAMPLES = 4
+LAST_CHECKPOINT_TIMEOUT_S = 120.0  # after a failure; after an interrupt (Ctrl-C, a signal) a quarter of it
 
 
 class RunError(RuntimeError):
@@ -76,7 +88,17 @@ class Pipeline:
         self._procs: list[Any] = []
         self.sync: WeightSync | None = None
         self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host (set by start)
+        n = cfg.generator.num_generators
+        self.generators: list[Any] = [None] * n  # generator i's actor; None while it is restarted
+        self._gen_procs: list[Any] = [None] * n
+        self._gen_pids: list[list] = [[] for _ in range(n)]  # (pid, start) of its proc and engine core
+        self.restarts = [0] * n
+        self.requeued_groups = 0
+        self._failures: asyncio.Queue | None = None  # (generator index or None for fatal, cause)
         self.task = load_task(cfg.task.name)
+        self.checkpoints = Checkpoints(cfg)  # the user's config (before sync_mode_config) is what a resume diffs
+        self.saved_step = -1  # the step of this run's newest checkpoint (or the one it resumed from)
+        self.eval_curve: list[tuple[int, float, float]] = []  # (step, sampled, greedy); kept in checkpoints
 
     # ------------------------------------------------------------------ start / stop
 
@@ -114,29 +136,170 @@ class Pipeline:
                  cfg.generator.num_generators, self.generator_hosts)
         buffer_procs = self._spawn(host, 0)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
-        gen_cfg = cfg if not hasattr(self, "warm_dir") else dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, hf_dir=str(self.warm_dir)))
-        self.generators = []
-        for i, h in enumerate(self.generator_hosts):
-            procs = self._spawn(host, h)
-            self.generators.append(procs.spawn(f"generator{i}", GeneratorActor, gen_cfg, i))
-        await timed("generator setup", asyncio.gather(*[g.setup.call_one() for g in self.generators]),
-                    cfg.generator.start_timeout_s)
-        self.sync = WeightSync(self.trainer, self.generators, cfg)
+        self._host_mesh = host
+        self._install_fault_hook()
+        warm = str(self.warm_dir) if hasattr(self, "warm_dir") else None
+        gens = await asyncio.gather(*[self._spawn_generator(i, warm, 0) for i in range(len(self.generators))])
+        self.generators[:] = gens
+        self.sync = WeightSync(self.trainer, self.generators, cfg, on_failure=self._report_failure)
         await self.sync.attach(self.trainer_addr)
         log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
                  time.monotonic() - t0, cfg.trainer.num_ranks, len(self.generators), cfg.weight_sync.transport)
 
-    def _spawn(self, host: Any, index: int):
+    def _spawn(self, host: Any, index: int, keep: bool = True):
         """One proc on host `index` of the job (`spawn_procs` on a whole host mesh spawns on every host)."""
         if "hosts" in host.sizes:
             host = host.slice(hosts=index)
         procs = host.spawn_procs(per_host={"procs": 1})
-        self._procs.append(procs)
+        if keep:
+            self._procs.append(procs)
         return procs
 
+    async def _spawn_generator(self, i: int, hf_dir: str | None, version: int) -> Any:
+        """Generator i on its own proc, its engine serving `hf_dir` (default: the model) as `version`."""
+        from actors.generator import GeneratorActor
+
+        cfg = self.cfg if hf_dir is None else dataclasses.replace(
+            self.cfg, model=dataclasses.replace(self.cfg.model, hf_dir=hf_dir))
+        procs = self._spawn(self._host_mesh, self.generator_hosts[i], keep=False)
+        self._gen_procs[i] = procs
+        # a unique mesh name per incarnation: a late fault of a replaced mesh must not hit its successor
+        gen = procs.spawn(f"generator{i}r{self.restarts[i]}", GeneratorActor, cfg, i, self.restarts[i])
+        info = await timed(f"generator{i} setup", gen.setup.call_one(version), self.cfg.generator.start_timeout_s)
+        self._gen_pids[i] = info["procs"]
+        return gen
+
+    def live_generators(self) -> list[tuple[int, Any]]:
+        return [(i, g) for i, g in enumerate(self.generators) if g is not None]
+
     async def start_generation(self) -> None:
-        await timed("generation start", asyncio.gather(*[g.start_generation.call_one(self.buffer) for g in self.generators]))
+        await timed("generation start", asyncio.gather(
+            *[g.start_generation.call_one(self.buffer) for _, g in self.live_generators()]))
+
+    # ------------------------------------------------------------------ supervision
+
+    def _report_failure(self, i: int | None, cause: str | BaseException) -> None:
+        """Queue a failure for `supervise` (i: a generator; None: fatal, e.g. the trainer's mesh)."""
+        if self._failures is not None:
+            self._failures.put_nowait((i, str(cause)))
+
+    def _install_fault_hook(self) -> None:
+        """Monarch reports a dead mesh to the client's fault hook, whose default exits the process.
+        A generator's failure is ours to handle (restart); any other mesh's failure ends the run."""
+        import re
+
+        import monarch.actor
+
+        loop = asyncio.get_running_loop()
+        self._failures = asyncio.Queue()
+
+        def hook(failure) -> None:
+            m = re.match(r"generator(\d+)r(\d+)-", failure.mesh_name)
+            if m and int(m[2]) != self.restarts[int(m[1])]:
+                return  # a replaced incarnation's late report
+            if m or failure.mesh_name.startswith("logger-"):  # a dead proc's logger mesh goes with it
+                i = int(m[1]) if m else -1
+            else:
+                i = None
+            if i != -1:
+                loop.call_soon_threadsafe(self._report_failure, i, failure.report())
+
+        monarch.actor.unhandled_fault_hook = hook
+
+    async def _probe(self, slow: dict[int, int]) -> dict[int, str]:
+        """Ask every live generator for its stats: a dead actor fails at once, a dead engine reports
+        an error, a slow one times out (three timeouts in a row count as hung)."""
+        live = self.live_generators()
+        t = self.cfg.generator.health_timeout_s
+        res = await asyncio.gather(*[asyncio.wait_for(g.stats.call_one(), t) for _, g in live], return_exceptions=True)
+        failed = {}
+        for (i, _), r in zip(live, res):
+            if isinstance(r, asyncio.TimeoutError):
+                slow[i] = slow.get(i, 0) + 1
+                if slow[i] >= 3:
+                    failed[i] = f"no health answer within {t:.0f}s three times in a row (generator.health_timeout_s)"
+                continue
+            slow.pop(i, None)
+            if isinstance(r, BaseException):
+                failed[i] = f"{type(r).__name__}: {r}"
+            elif r.get("error"):
+                failed[i] = r["error"]
+            elif (why := reject_rate_problem(r, self.cfg.task.max_reject_frac)) is not None:
+                raise RunError(f"generator{i}: {why}")  # the task's fault: a restart would not help
+        return failed
+
+    async def supervise(self) -> None:
+        """Runs beside the train loop: probes the generators every HEALTH_PERIOD_S and reacts at once
+        to a failed push or a Monarch fault. A failed generator is restarted in the background while
+        the others keep generating. Raises RunError past generator.max_restarts or on a fatal fault."""
+        restarting: dict[int, asyncio.Task] = {}
+        slow: dict[int, int] = {}
+        try:
+            while True:
+                try:
+                    failed = dict([await asyncio.wait_for(self._failures.get(), HEALTH_PERIOD_S)])
+                except asyncio.TimeoutError:
+                    failed = await self._probe(slow)
+                for i, t in list(restarting.items()):
+                    if t.done():
+                        del restarting[i]
+                        if t.exception() is not None:  # the restart itself failed: try again, within bounds
+                            failed.setdefault(i, f"restart failed: {t.exception()}")
+                if None in failed:
+                    raise RunError(f"a trainer or buffer mesh failed: {failed[None]}")
+                for i, cause in failed.items():
+                    if i in restarting:
+                        continue
+                    if self.restarts[i] >= self.cfg.generator.max_restarts:
+                        raise RunError(f"generator{i} failed and has used its {self.cfg.generator.max_restarts} "
+                                       f"restarts (generator.max_restarts): {cause}")
+                    restarting[i] = asyncio.create_task(self._restart(i, cause), name=f"restart-generator{i}")
+        finally:
+            for t in restarting.values():
+                t.cancel()
+            await asyncio.gather(*restarting.values(), return_exceptions=True)
+
+    async def _restart(self, i: int, cause: str) -> None:
+        """Stop generator i, requeue its groups, start a new one on the trainer's latest weights and
+        let it generate once the weight sync has it (see WeightSync.rejoin)."""
+        detected, t0 = time.time(), time.monotonic()
+        lessee = (i, self.restarts[i])  # this incarnation; its successor is a new lessee
+        self.restarts[i] += 1
+        log.warning("generator%d failed (%s); restart %d of %d", i, cause[:300], self.restarts[i],
+                    self.cfg.generator.max_restarts)
+        self.sync.detach(i)
+        old, self.generators[i] = self.generators[i], None
+        requeued = await timed("buffer.release_generator", self.buffer.release_generator.call_one(lessee))
+        self.requeued_groups += requeued
+        await self._stop_generator(i, old)
+        path = Path(self.cfg.run.out_dir) / "respawn" / f"generator{i}"
+        version = await self.trainer.export_hf(str(path))
+        gen = await self._spawn_generator(i, str(path), version)
+        await self.sync.rejoin(i, gen)
+        self.generators[i] = gen
+        await timed(f"generator{i}.start_generation", gen.start_generation.call_one(self.buffer))
+        shutil.rmtree(path, ignore_errors=True)
+        event = {"generator": i, "restart": self.restarts[i], "cause": cause[:500], "detected_at": detected,
+                 "recovered_at": time.time(), "recovery_s": time.monotonic() - t0, "requeued_groups": requeued,
+                 "version": version}
+        with open(Path(self.cfg.run.out_dir) / "faults.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+        log.warning("generator%d back in %.1fs at version %d (%d groups requeued)", i, event["recovery_s"],
+                    version, requeued)
+
+    async def _stop_generator(self, i: int, gen: Any) -> None:
+        """Best effort, bounded: shut the engine down, stop the proc mesh, then SIGKILL whatever of its
+        recorded processes survived (an engine core outlives a parent killed with SIGKILL)."""
+        if gen is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(gen.shutdown.call_one(), 15)
+        procs, self._gen_procs[i] = self._gen_procs[i], None
+        if procs is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(procs.stop(), 30)
+        killed = kill(self._gen_pids[i])
+        if killed:
+            log.warning("generator%d: killed leftover processes %s", i, killed)
 
     async def shutdown(self) -> None:
         """close -> cancel -> stop: ends generation, then stops every proc mesh (never raises)."""
@@ -144,9 +307,8 @@ class Pipeline:
             self.sync.cancel()
             with contextlib.suppress(BaseException):
                 await self.sync.wait()
-        for g in getattr(self, "generators", []):
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(g.shutdown.call_one(), 60)
+        for i, g in enumerate(self.generators):
+            await self._stop_generator(i, g)
         for procs in reversed(self._procs):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(procs.stop(), 60)
@@ -182,17 +344,41 @@ class Pipeline:
         return ids, mask
 
     async def train_once(self) -> dict:
-        """Wait for a batch, take one optimizer step: version + 1 on the trainer (not yet announced)."""
+        """Wait for a batch, take one optimizer step: version + 1 on the trainer (not yet announced).
+        A step the trainer skips (non-finite loss or gradient, no loss tokens) gives its batch back
+        to the buffer, booked as dropped so that admission reopens, and the next batch is tried; after
+        trainer.max_skipped_steps skips in a row the run stops."""
         cfg = self.cfg
         t0 = time.monotonic()
-        batch = await timed("buffer.get_batch", self.buffer.get_batch.call_one(self.version, cfg.buffer.batch_timeout_s),
-                            cfg.buffer.batch_timeout_s + 30)
-        t1 = time.monotonic()
-        if cfg.generator.carry_over == "save":  # CoPRIS stage end: in-flight rollouts become partials
-            await timed("end_stage", asyncio.gather(*[g.end_stage.call_one("save", True) for g in self.generators]),
-                        cfg.generator.request_timeout_s)
-        metrics = await self.trainer.train_step(batch)
+        while True:
+            batch = await timed("buffer.get_batch",
+                                self.buffer.get_batch.call_one(self.version, cfg.buffer.batch_timeout_s),
+                                cfg.buffer.batch_timeout_s + 30)
+            t1 = time.monotonic()
+            if cfg.generator.carry_over == "save":  # CoPRIS stage end: in-flight rollouts become partials
+                # a generator dying meanwhile is the supervisor's business, not this step's
+                await timed("end_stage", asyncio.gather(*[g.end_stage.call_one("save", True)
+                                                          for _, g in self.live_generators()], return_exceptions=True),
+                            cfg.generator.request_timeout_s)
+            try:
+                metrics = await self.trainer.train_step(batch)
+                break
+            except Exception as e:  # from the actor: Monarch's ActorError, the trainer's error in .exception
+                inner = getattr(e, "exception", e)
+                if isinstance(inner, TooManySkippedSteps):
+                    raise RunError(str(inner)) from e
+                why = skipped_step_error(e)
+                if why is None:
+                    raise
+            log.warning("step at version %d skipped, its batch goes back to the buffer as dropped: %s",
+                        self.version, why)
+            await timed("buffer.skip_batch", self.buffer.skip_batch.call_one(batch.group_ids))
+            if cfg.generator.carry_over == "save":  # the stages ended for an update that is not coming
+                await timed("start_generation", asyncio.gather(
+                    *[g.start_generation.call_one(self.buffer) for _, g in self.live_generators()],
+                    return_exceptions=True))
         self.version += 1
+        metrics["trainer/skipped_steps"] = metrics.pop("skipped_steps")
         stale = batch.staleness().float()
         t2 = time.monotonic()
         metrics.update({
@@ -224,25 +410,78 @@ class Pipeline:
         return await self.sync.push(self.version)
 
     async def save_checkpoint(self, step: int) -> Path:
-        """Trainer state (DCP) plus the buffer's counters and prompt position, after the last push landed."""
+        """A checkpoint at a step boundary, once the last push landed (pipeline/checkpoint.py)."""
         await self.sync.wait()
-        path = Path(self.cfg.run.out_dir) / "checkpoints" / f"step_{step}"
-        await self.trainer.save(str(path), {"step": step})
         buf = await timed("buffer.state_dict", self.buffer.state_dict.call_one())
-        torch.save({"step": step, "version": self.version, "buffer": buf}, path / "controller_state.pt")
+        return await self._write_checkpoint(step, buf)
+
+    async def _write_checkpoint(self, step: int, buf: dict) -> Path:
+        """Every trainer rank (possibly on other hosts) saves into a new step_N.tmp-* directory, then
+        the controller adds its state; the directory becomes step_N only once all of it is written.
+        A failed save is removed; a cancelled one is left (trainer ranks may still be writing into
+        it) for the next start to sweep."""
+        tmp = self.checkpoints.begin(step)
+        try:
+            await self.trainer.save(str(tmp), {"step": step})
+            save_controller_state(tmp, {"step": step, "version": self.version, "buffer": buf,
+                                        "eval_curve": list(self.eval_curve), "rng": rng_state()})
+            path = self.checkpoints.commit(tmp, step, self.version)
+        except Exception:
+            self.checkpoints.abort(tmp)
+            raise
+        self.saved_step = step
+        return path
+
+    async def save_last_checkpoint(self, err: BaseException) -> Path | None:
+        """After a failure or an interrupt (`err`): a checkpoint at the trainer's version, if
+        checkpoints are on, the trainer still answers and every batch the buffer handed out was
+        trained (a step cut short between the two would leave a checkpoint whose buffer is a batch
+        ahead of its trainer). Bounded by LAST_CHECKPOINT_TIMEOUT_S; logs and returns None on any
+        failure of its own, so the caller re-raises the run's error, not this one."""
+        if not self.cfg.run.checkpoint_every or self.sync is None:  # off, or the meshes never came up
+            return None
+        timeout = LAST_CHECKPOINT_TIMEOUT_S if isinstance(err, Exception) else LAST_CHECKPOINT_TIMEOUT_S / 4
+        try:
+            return await asyncio.wait_for(self._save_last(), timeout)
+        except asyncio.TimeoutError:
+            log.error("no last checkpoint: not written within %.0fs", timeout)
+        except Exception as e:
+            log.error("no last checkpoint: %s: %s", type(e).__name__, e)
+        return None
+
+    async def _save_last(self) -> Path | None:
+        buf = await self.buffer.state_dict.call_one()
+        version = await self.trainer.version()
+        if version == self.saved_step:
+            log.info("no last checkpoint needed: step_%d is saved", version)
+            return None
+        if version == 0 or buf["buffer"]["batches"] != version:
+            log.warning("no last checkpoint: trainer at version %d, the buffer handed out %d batches (%s)", version,
+                        buf["buffer"]["batches"], "nothing trained" if version == 0 else "a step was cut short")
+            return None
+        self.version = version  # a train step may have finished after its caller was cancelled
+        path = await self._write_checkpoint(version, buf)
+        log.warning("saved a last checkpoint %s: continue with run.resume=latest", path)
         return path
 
     async def resume(self, path: str) -> int:
-        """Restore a checkpoint before generation starts; generators get its weights as its version."""
-        state = torch.load(Path(path) / "controller_state.pt", weights_only=False)
+        """Restore checkpoint `path` before generation starts: trainer, buffer (its complete groups
+        are trained next, its in-flight ones requeued), prompt position, the controller's RNG and
+        eval curve; the generators get its weights as its version. Returns its step."""
+        state = load_controller_state(path)
         await self.trainer.load(path)
         self.version = await self.trainer.version()
         if self.version != state["version"]:
             raise RunError(f"checkpoint {path}: trainer version {self.version} != saved {state['version']}")
         await timed("buffer.load_state_dict", self.buffer.load_state_dict.call_one(state["buffer"]))
+        set_rng_state(state["rng"])
+        self.eval_curve[:] = state["eval_curve"]
+        self.saved_step = state["step"]
         if self.version:
             await self.push_weights()
-        log.info("resumed from %s at step %d (version %d)", path, state["step"], self.version)
+        held = state["buffer"]["buffer"]
+        log.info("resumed from %s at step %d (version %d): %d complete groups to train, %d requeued", path,
+                 state["step"], self.version, len(held["complete"]), len(held["in_flight"]))
         return int(state["step"])
 
     async def evaluate(self) -> dict[str, float]:
@@ -251,18 +490,47 @@ class Pipeline:
         what RL optimises); `eval/reward_greedy` is the greedy completion's reward."""
         items = take(self.task, self.cfg.task.seed, "eval", self.cfg.task.eval_prompts)
         prompts = [i.prompt for i in items]
-        gen, n = self.generators[0], self.cfg.generator.max_new_tokens
+        gen, n = self.live_generators()[0][1], self.cfg.generator.max_new_tokens
         greedy = await timed("generate_eval", gen.generate_eval.call_one(prompts, n))
         sampled = await timed("generate_eval", gen.generate_eval.call_one(
             prompts * EVAL_SAMPLES, n, self.cfg.generator.temperature, self.cfg.task.seed))
-        score = lambda outs: sum(self.task.reward(p, o) for p, o in zip(prompts * EVAL_SAMPLES, outs)) / max(len(outs), 1)
-        return {"eval/reward": score(sampled), "eval/reward_greedy": score(greedy)}
+        # Faults stay local: prompts the generator could not serve came back None (skipped), and
+        # completions whose reward cannot be used are counted and left out of the mean.
+        scorer = RewardScorer(self.task, self.cfg.task.reward_timeout_s, self.cfg.task.reward_workers)
+        rejected: Counter = Counter()
+
+        async def one(prompt: str, completion: str) -> float | None:
+            try:
+                return await scorer.score(prompt, completion)
+            except RewardRejected as e:
+                rejected[e.reason] += 1
+                return None
+
+        async def score(outs: list) -> float:
+            got = await asyncio.gather(*(one(p, o) for p, o in zip(prompts * EVAL_SAMPLES, outs) if o is not None))
+            ok = [r for r in got if r is not None]
+            return sum(ok) / len(ok) if ok else float("nan")
+
+        out = {"eval/reward": await score(sampled), "eval/reward_greedy": await score(greedy),
+               "eval/skipped_prompts": float(sum(o is None for o in greedy))}
+        return out | {f"eval/rejected/{k}": float(v) for k, v in sorted(rejected.items())}
 
     async def stats(self) -> dict:
         out = {"buffer": await timed("buffer.stats", self.buffer.stats.call_one(), 60)}
-        for i, g in enumerate(self.generators):
+        for i, g in self.live_generators():
             out[f"generator{i}"] = await timed(f"generator{i}.stats", g.stats.call_one(), 60)
         return out
+
+
+def rejected_metrics(gens: list[dict]) -> dict[str, float]:
+    """`rejected/<reason>`: samples (rewards) and prompts rejected so far, summed over the generators'
+    stats; `rejected/recent_frac`: the highest recent rejected fraction (task.max_reject_frac bounds it)."""
+    total: Counter = Counter()
+    for g in gens:
+        total.update(g["rejected"])
+        total.update(g["failed"])
+    return {**{f"rejected/{k}": float(v) for k, v in sorted(total.items())},
+            "rejected/recent_frac": max((g["recent_rejected_frac"] for g in gens), default=0.0)}
 
 
 def buffer_metrics(buf: dict) -> dict[str, float]:
@@ -274,21 +542,11 @@ def buffer_metrics(buf: dict) -> dict[str, float]:
 # ---------------------------------------------------------------------- the job
 
 
-async def _health_loop(pipe: Pipeline) -> None:
-    """Heartbeat every actor; a generator whose loop died, or an actor that stops answering, ends the run."""
-    while True:
-        await asyncio.sleep(HEALTH_PERIOD_S)
-        for i, g in enumerate(pipe.generators):
-            st = await timed(f"generator{i}.stats (health)", g.stats.call_one(), 120)
-            if st.get("error"):
-                raise RunError(f"generator{i} failed: {st['error']}")
-
-
 async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int = 1) -> dict:
     cfg = pipe.cfg
     summary: dict[str, Any] = {}
-    eval_curve: list[tuple[int, float, float]] = []
-    if cfg.run.eval_every and cfg.task.eval_prompts:
+    eval_curve = pipe.eval_curve  # a resumed run continues the checkpoint's curve
+    if cfg.run.eval_every and cfg.task.eval_prompts and first_step == 1:
         ev = await pipe.evaluate()
         eval_curve.append((first_step - 1, ev["eval/reward"], ev["eval/reward_greedy"]))
         sink.log(first_step - 1, ev)
@@ -299,8 +557,10 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
         samples += int(metrics.get("samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
         tokens += int(metrics["batch/tokens"])
         elapsed = time.monotonic() - t_start
-        gens = await timed("generator stats", asyncio.gather(*[g.stats.call_one() for g in pipe.generators]), 60)
-        served = min(g["version"] for g in gens)  # the oldest weights any generator serves
+        gens = [g for g in await timed("generator stats", asyncio.gather(
+            *[g.stats.call_one() for _, g in pipe.live_generators()], return_exceptions=True), 60)
+            if not isinstance(g, BaseException)]  # a generator that died is the supervisor's business
+        served = min((g["version"] for g in gens), default=pipe.version)  # the oldest weights any generator serves
         metrics.update({
             "throughput/samples_per_s": samples / elapsed, "throughput/trained_tokens_per_s": tokens / elapsed,
             "throughput/gen_tokens_per_s": sum(g["tokens_per_s"] for g in gens),
@@ -309,6 +569,8 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
             "carry/samples": float(sum(g["carried_samples"] for g in gens)),
             "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),
             "carry/reprefill_tokens": float(sum(g["reprefill_tokens"] for g in gens)),
+            "faults/restarts": float(sum(pipe.restarts)), "faults/requeued_groups": float(pipe.requeued_groups),
+            **rejected_metrics(gens),
         })
         if cfg.run.eval_every and cfg.task.eval_prompts and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
             await pipe.sync.wait()
@@ -327,33 +589,47 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
 
 
 async def run(cfg: Config, host: Any = None) -> dict:
-    """The whole job. Returns a summary dict; raises RunError naming the loop that failed."""
+    """The whole job. Returns a summary dict; raises RunError naming the loop that failed. On a
+    failure or an interrupt a last checkpoint is written first (Pipeline.save_last_checkpoint)."""
+    if cfg.run.resume == "latest":  # load_config resolves it; a Config built in code may not have
+        cfg = prepare_resume(cfg)
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sink = MetricsSink(out)
+    resume_step = read_marker(cfg.run.resume)["step"] if cfg.run.resume else None
+    sink = MetricsSink(out, resume_step)  # drops rows a dead run logged after its checkpoint
     progress = None
     pipe = Pipeline(cfg, host)
+    pipe.checkpoints.sweep()
+    loops: set[asyncio.Task] = set()
     try:
         await pipe.start()
         first_step = (await pipe.resume(cfg.run.resume)) + 1 if cfg.run.resume else 1
         await pipe.start_generation()
         progress = Progress(cfg.run.steps - first_step + 1, cfg.run.progress, desc=f"rl[{cfg.run.mode}]")
         loops = {asyncio.create_task(_train_loop(pipe, sink, progress, first_step), name="train"),
-                 asyncio.create_task(_health_loop(pipe), name="health")}
+                 asyncio.create_task(pipe.supervise(), name="supervisor")}
         done, pending = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         first = done.pop()
         if first.get_name() != "train":
-            first.result()  # raises the health loop's error
-            raise RunError("health loop ended before training finished")
+            first.result()  # raises the supervisor's error
+            raise RunError("the generator supervisor ended before training finished")
         summary = first.result()
         ckpt = out / "hf_checkpoint"
         await pipe.trainer.export_hf(str(ckpt))
         summary["checkpoint"] = str(ckpt)
         summary["stats"] = await pipe.stats()
+        summary["restarts"] = list(pipe.restarts)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary
+    except BaseException as err:
+        for t in loops:  # nothing may train or take a batch while the last checkpoint is written
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        await pipe.save_last_checkpoint(err)  # never raises: the run's own error follows
+        raise
     finally:
         if progress is not None:
             progress.close()

@@ -34,12 +34,15 @@ from typing import Awaitable, Callable
 
 from pipeline.config import Config
 from pipeline.model import model_dir
-from pipeline.rollout import RequestError, RolloutStats, Trajectory, WorkSource, check_request, spans_to_versions
-from pipeline.tasks import load_task
+from pipeline.rollout import (RequestError, RewardScorer, RolloutStats, Trajectory, WorkSource, check_prompt,
+                              check_request, spans_to_versions)
+from pipeline.tasks import RewardRejected, load_task
 
 log = logging.getLogger(__name__)
 
 __all__ = ["RolloutEngine", "GeneratorBroken", "engine_args"]
+
+ENGINE_WATCH_S = 0.5  # how often a pending engine control call checks that the engine core lives
 
 
 class GeneratorBroken(RuntimeError):
@@ -65,6 +68,7 @@ class RolloutEngine:
     def __init__(self, cfg: Config, generator_id: int):
         self.cfg, self.g, self.gid = cfg, cfg.generator, generator_id
         self.task = load_task(cfg.task.name)
+        self.scorer = RewardScorer(self.task, cfg.task.reward_timeout_s, cfg.task.reward_workers)
         self.engine = None
         self.tok = None
         self.version = 0
@@ -89,7 +93,7 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- engine lifecycle
 
-    async def start_engine(self, extra_engine_kwargs: dict | None = None) -> dict:
+    async def start_engine(self, extra_engine_kwargs: dict | None = None, version: int = 0) -> dict:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from pipeline.model import load_tokenizer
@@ -105,6 +109,7 @@ class RolloutEngine:
         except asyncio.TimeoutError:
             raise TimeoutError(f"generator {self.gid}: vLLM engine did not start within "
                                f"{self.g.start_timeout_s:.0f}s (generator.start_timeout_s)") from None
+        self.version = version
         await self.engine.update_weight_version(str(self.version))
         self.tok = load_tokenizer(hf_dir)
         self._gate, self._wake = asyncio.Event(), asyncio.Event()
@@ -143,6 +148,7 @@ class RolloutEngine:
         if self._loop_task is not None and not self._loop_task.done():
             raise RuntimeError(f"generator {self.gid}: a stage is already running; call end_stage first")
         self.source, self._admitting, self._saving = source, True, False
+        self._resume_on_update = False  # begun by hand (a skipped step): no update may begin it again
         self._loop_task = asyncio.create_task(self._admit_loop())
 
     async def _admit_loop(self) -> None:
@@ -158,13 +164,27 @@ class RolloutEngine:
                 group = await self.source.admit(self.g.admit_wait_s)
                 if group is None:
                     continue
-                prompt_tokens = tuple(self.tok.encode(group.item.prompt, add_special_tokens=False))
                 self.stats.groups += 1
+                try:
+                    prompt_tokens = self._prompt_tokens(group.item.prompt)
+                except RequestError as e:  # a bad prompt fails its group alone
+                    self.stats.fail(e.reason, f"group {group.group_id}: {e}")
+                    await self._release_group(group.group_id)
+                    continue
                 self._pending.extend(Trajectory(group, i, prompt_tokens) for i in range(group.group_size))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._break(RuntimeError(f"admission loop failed: {type(e).__name__}: {e}"))
+
+    def _prompt_tokens(self, prompt: str) -> tuple[int, ...]:
+        """The prompt's token ids; RequestError if it cannot be tokenised, is empty or leaves no room."""
+        try:
+            ids = tuple(self.tok.encode(prompt, add_special_tokens=False))
+        except Exception as e:
+            raise RequestError("prompt_not_tokenizable", f"{type(e).__name__}: {e}") from e
+        check_prompt(len(ids), self.g.max_model_len)
+        return ids
 
     def _refill(self) -> None:
         while self._admitting and len(self._active) < self.g.concurrency:
@@ -191,7 +211,9 @@ class RolloutEngine:
         self._refill()
 
     async def _drive(self, traj: Trajectory) -> None:
-        """Generate one trajectory to its end, across updates; then reward it and send it."""
+        """Generate one trajectory to its end, across updates; then reward it (off the event loop,
+        bounded by task.reward_timeout_s) and send it. A reward that cannot be used rejects the
+        sample and gives its group back; the generator goes on."""
         try:
             finish = await self._generate(traj)
         except RequestError as e:
@@ -216,9 +238,16 @@ class RolloutEngine:
         self._sending += 1  # its slot is free already (the next request starts now); the send is not done
         try:
             completion = self.tok.decode(traj.tokens, skip_special_tokens=True)
-            reward = self.task.reward(traj.group.item.prompt, completion)
+            try:
+                reward = await self.scorer.score(traj.group.item.prompt, completion)
+            except RewardRejected as e:
+                await self._reject_sample(traj, completion, e)
+                return
+            if traj.group.group_id in self._dead_groups:
+                return  # a sibling was rejected while this one was scored
             rollout = traj.to_rollout(completion, finish, reward, self.gid)
             self.stats.rollouts += 1
+            self.stats.accept()
             await self.source.add(rollout)
         except asyncio.CancelledError:
             raise
@@ -288,7 +317,19 @@ class RolloutEngine:
     async def _fail_group(self, traj: Trajectory, err: RequestError) -> None:
         """Count a bad request and give its group back to the buffer; the engine keeps serving."""
         self.stats.fail(err.reason, f"group {traj.group.group_id} sample {traj.sample_idx}: {err}")
+        await self._release_group(traj.group.group_id)
+
+    async def _reject_sample(self, traj: Trajectory, completion: str, err: RewardRejected) -> None:
+        """Count a sample whose reward cannot be used (the first few logged in full) and give its
+        group back: a group missing a sample has no unbiased baseline, so it is dropped whole."""
         gid = traj.group.group_id
+        if self.stats.reject(err.reason, f"group {gid} sample {traj.sample_idx}: {err}"):
+            log.warning("generator %d: sample rejected, group %d given back (%s); prompt=%r completion=%r",
+                        self.gid, gid, err, traj.group.item.prompt, completion)
+        await self._release_group(gid)
+
+    async def _release_group(self, gid: int) -> None:
+        """Give group `gid` back to the buffer (dropped as failed), once; later siblings are ignored."""
         if gid in self._dead_groups:
             return
         self._dead_groups.add(gid)
@@ -345,18 +386,18 @@ class RolloutEngine:
         t0 = time.monotonic()
         try:
             if mode == "keep":
-                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                await self._control(self.engine.pause_generation(mode="keep", clear_cache=False), "pause")
             elif mode == "abort":
                 self._gate.clear()
                 self._resubmit.update(self._rids.values())
-                await self.engine.pause_generation(mode="abort", clear_cache=True)
+                await self._control(self.engine.pause_generation(mode="abort", clear_cache=True), "pause")
             else:
                 self._gate.clear()
                 await asyncio.wait_for(self.engine.pause_generation(mode="wait", clear_cache=True),
                                        self.g.request_timeout_s)
             await load()
-            await self.engine.update_weight_version(str(version))
-            await self.engine.resume_generation()
+            await self._control(self.engine.update_weight_version(str(version)), "version label")
+            await self._control(self.engine.resume_generation(), "resume")
         except BaseException as e:
             self._break(RuntimeError(f"weight update to version {version} failed ({type(e).__name__}: {e}); "
                                      f"engine left paused, weights possibly mixed"))
@@ -369,39 +410,66 @@ class RolloutEngine:
             self.begin_stage(self.source)
         return version
 
+    async def _control(self, aw, what: str):
+        """An engine control call (pause, resume, version label), bounded by generator.call_timeout_s;
+        fails within a second when the engine core dies meanwhile (such a call never returns)."""
+        call = asyncio.ensure_future(aw)
+        deadline = time.monotonic() + self.g.call_timeout_s
+        while not call.done():
+            await asyncio.wait({call}, timeout=ENGINE_WATCH_S)
+            if call.done():
+                break
+            if self.engine.errored:
+                call.cancel()
+                raise GeneratorBroken(f"generator {self.gid}: engine {what}: the vLLM engine core died")
+            if time.monotonic() > deadline:
+                call.cancel()
+                raise TimeoutError(f"generator {self.gid}: engine {what} did not answer within "
+                                   f"{self.g.call_timeout_s:.0f}s (generator.call_timeout_s)")
+        return call.result()
+
     # ---------------------------------------------------------------- eval and stats
 
     async def generate_eval(self, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
-                            seed: int = 0) -> list[str]:
+                            seed: int = 0) -> list[str | None]:
         """Completions for evaluation: greedy by default, else sampled at `temperature` with per-prompt
-        seeds `seed + i` (reproducible for fixed weights); a bad request raises RequestError naming it
-        after the others finish."""
+        seeds `seed + i` (reproducible for fixed weights). A prompt that is empty, too long, cannot be
+        tokenised or is refused by the engine gets None, counted in stats()["eval_skipped"] by reason;
+        bad sampling values raise RequestError at once, any other failure after the others finish."""
         from vllm import SamplingParams
 
         self.check()
+        check_request(1, max_new_tokens, temperature, 1.0, self.g.max_model_len)  # the sampling values
 
         async def one(i: int, prompt: str) -> str:
-            ids = self.tok.encode(prompt, add_special_tokens=False)
-            check_request(len(ids), max_new_tokens, temperature, 1.0, self.g.max_model_len)
+            ids = list(self._prompt_tokens(prompt))
             room = min(max_new_tokens, self.g.max_model_len - len(ids))
             sp = SamplingParams(max_tokens=room, temperature=temperature, seed=seed + i if temperature > 0 else None)
             final = None
-            async with asyncio.timeout(self.g.request_timeout_s):
-                async for out in self.engine.generate({"prompt_token_ids": ids}, sp,
-                                                      request_id=f"eval{self.gid}-{next(self._seq)}-{i}"):
-                    final = out
+            try:
+                async with asyncio.timeout(self.g.request_timeout_s):
+                    async for out in self.engine.generate({"prompt_token_ids": ids}, sp,
+                                                          request_id=f"eval{self.gid}-{next(self._seq)}-{i}"):
+                        final = out
+            except ValueError as e:  # vLLM's input validation (VLLMValidationError is a ValueError)
+                raise RequestError("rejected_by_engine", str(e)) from e
             return self.tok.decode(list(final.outputs[0].token_ids), skip_special_tokens=True)
 
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True)
-        bad = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-        for i, r in bad:
-            self.stats.fail(getattr(r, "reason", type(r).__name__), f"eval prompt {i}: {r}")
+        for r in results:
+            if isinstance(r, RequestError):
+                self.stats.eval_skipped[r.reason] += 1
+        bad = [(i, r) for i, r in enumerate(results)
+               if isinstance(r, BaseException) and not isinstance(r, RequestError)]
         if bad:
-            raise RequestError(getattr(bad[0][1], "reason", "eval_failed"),
-                               "; ".join(f"eval prompt {i} ({prompts[i][:40]!r}): {r}" for i, r in bad))
-        return list(results)
+            raise RuntimeError("; ".join(f"eval prompt {i} ({prompts[i][:40]!r}): {type(r).__name__}: {r}"
+                                         for i, r in bad)) from bad[0][1]
+        return [None if isinstance(r, RequestError) else r for r in results]
 
     def snapshot(self) -> dict:
+        if self._broken is None and self.engine is not None and self.engine.errored:
+            # the engine core died (killed, OOM) while nothing was in flight to notice it
+            self._break(RuntimeError(f"vLLM engine core is dead: {self.engine.dead_error}"))
         s = self.stats.snapshot()
         s.update(generator_id=self.gid, version=self.version, in_flight=len(self._active), sending=self._sending,
                  in_engine=len(self._rids), pending=len(self._pending), carried=len(self._carried),

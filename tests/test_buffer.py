@@ -167,7 +167,8 @@ def test_admission_bound_areal_and_release_refunds():
         buf.set_trainer_version(2)
 
 
-def test_state_dict_round_trip_counts_held_groups_as_restored():
+def test_state_dict_round_trip_requeues_in_flight_groups_instead_of_dropping_them():
+    """(Complete groups survive too: tests/test_checkpoint.py.)"""
     buf = ReplayBufferCore(cfg(batch_groups=1, max_staleness=2), PAD)
     fill(buf, admit(buf)[0])
     buf.take_batch()
@@ -176,11 +177,11 @@ def test_state_dict_round_trip_counts_held_groups_as_restored():
     buf.end_step(0.5)
     new = ReplayBufferCore(cfg(batch_groups=1, max_staleness=2), PAD)
     new.load_state_dict(buf.state_dict())
-    assert new.version == 1 and new.trained_groups == 1 and new.dropped_groups == {"restored": 1}
-    new.check_accounting()
-    new.add(rollout(1, 0, versions=(1, 1)))  # a straggler of the old run is ignored
+    assert new.version == 1 and new.trained_groups == 1 and not new.dropped_groups
+    assert new.check_accounting() == buf.check_accounting()
+    new.add(rollout(1, 0, versions=(1, 1)))  # a straggler of the old run (its lease is gone) is ignored
     assert new.late_rollouts == 1
-    assert new.admit(PromptItem(uid=5, prompt="p")).group_id == 2
+    assert new.take_requeued((0, 0)).group_id == 1 and not new.can_admit()
 
 
 # ---- property test: random arrival orders, versions, updates and failures ---------------------
@@ -299,19 +300,19 @@ def test_delta_beyond_the_staleness_bound_is_reported_as_inert():
 
 def test_dead_generators_groups_are_requeued_whole_and_accounting_holds():
     buf = ReplayBufferCore(cfg(batch_groups=2, overcommit="fixed", delta=2), PAD)
-    a = buf.admit(PromptItem(uid=0, prompt="p"), generator_id=0).group_id
-    b = buf.admit(PromptItem(uid=1, prompt="p"), generator_id=1).group_id
-    c = buf.admit(PromptItem(uid=2, prompt="p"), generator_id=1).group_id
+    a = buf.admit(PromptItem(uid=0, prompt="p"), (0, 0)).group_id
+    b = buf.admit(PromptItem(uid=1, prompt="p"), (1, 0)).group_id
+    c = buf.admit(PromptItem(uid=2, prompt="p"), (1, 0)).group_id
     buf.add(rollout(b, 0, generator_id=1))  # half of b arrived before generator 1 died
     for i in range(2):  # c is complete: no longer in flight, it stays
         buf.add(rollout(c, i, reward=float(i), generator_id=1))
-    assert buf.release_generator(1) == 1
+    assert buf.release_generator((1, 0)) == 1 and buf.revoked((1, 0)) and not buf.revoked((1, 1))
     assert buf.has_requeued() and buf.stats()["requeued_waiting"] == 1
     buf.check_accounting()  # requeued groups are still held
     # a sample of b still arriving under the revoked lease is ignored, not an error
     buf.add(rollout(b, 1, generator_id=1))
     assert buf.stats()["late_rollouts"] == 1 and buf.wasted_tokens == 4
-    again = buf.take_requeued(generator_id=2)
+    again = buf.take_requeued((2, 0))
     assert again.group_id == b and not buf.has_requeued()
     for i in range(2):
         buf.add(rollout(b, i, reward=float(i), generator_id=2))

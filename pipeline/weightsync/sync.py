@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pipeline.config import Config
 
@@ -61,8 +61,21 @@ async def _bounded(what: str, aw, timeout_s: float):
 
 
 class WeightSync:
-    def __init__(self, trainer: Any, generators: Sequence[Any], cfg: Config) -> None:
+    """See the module docstring. `generators[i]` is generator i's actor handle, None while it is out
+    (dead, restarting). With `on_failure` set, a generator that fails its part of a push is taken out
+    (`on_failure(i, error)` tells its supervisor) and the push goes on for the others; without it,
+    any failure fails the push."""
+
+    def __init__(self, trainer: Any, generators: Sequence[Any], cfg: Config,
+                 on_failure: Callable[[int, BaseException], None] | None = None) -> None:
         self.trainer, self.generators, self.cfg = trainer, list(generators), cfg
+        self.on_failure = on_failure
+        self.version: int | None = None  # the last version delivered
+        self._host = "127.0.0.1"
+        self._handle = None
+        self._rewire = False  # collective: a member left, so the group must be rebuilt before the next push
+        self._parts: dict[int, asyncio.Task] = {}  # each member's part of the push in flight
+        self._lock = asyncio.Lock()  # start / attach / rejoin never interleave
         self._task: asyncio.Task | None = None
         self.last: dict[str, float] = {}
         """Timing of the last finished push: total_s, pack_s, stage_s, apply_s (seconds)."""
@@ -71,21 +84,59 @@ class WeightSync:
     def kind(self) -> str:
         return self.cfg.weight_sync.transport
 
+    def live(self) -> list[tuple[int, Any]]:
+        return [(i, g) for i, g in enumerate(self.generators) if g is not None]
+
     async def attach(self, host: str = "127.0.0.1") -> None:
-        """Build the sender on trainer rank 0 and a receiver on every generator. `host`: the address
-        generators reach trainer rank 0's host at (collective). Calling it again rewires the transport."""
+        """Build the sender on trainer rank 0 and a receiver on every live generator. `host`: the
+        address generators reach trainer rank 0's host at (collective). Calling it again rewires."""
+        async with self._lock:
+            self._host = host
+            await self._attach()
+
+    async def _attach(self) -> None:
         await self.wait()
-        handle = await self.trainer.sync_handle(len(self.generators), host, self.cfg.weight_sync)
+        live = self.live()
+        # collective: one process group over the live generators, ranked by position; the pull
+        # transports address generators by index, so a replacement reuses its predecessor's rank
+        n = len(live) if self.kind == "collective" else len(self.generators)
+        self._handle = await self.trainer.sync_handle(max(n, 1), self._host, self.cfg.weight_sync)
+        ranks = range(len(live)) if self.kind == "collective" else [i for i, _ in live]
         await _bounded("attach weights", asyncio.gather(
-            *[g.attach_weights.call_one(handle) for g in self.generators]), self.cfg.weight_sync.timeout_s)
+            *[g.attach_weights.call_one(self._handle, r) for (_, g), r in zip(live, ranks)]), self.cfg.weight_sync.timeout_s)
+        self._rewire = False
+
+    def detach(self, i: int) -> None:
+        """Take generator i out of every later push (it died); a push in flight ignores its failure."""
+        if self.generators[i] is not None:
+            self.generators[i] = None
+            self._rewire = self.kind == "collective"
+        part = self._parts.get(i)
+        if part is not None and part is not asyncio.current_task():
+            part.cancel()  # a dead generator's stage or apply may never answer
+
+    async def rejoin(self, i: int, gen: Any) -> None:
+        """Generator i's replacement joins at the next push boundary (it serves an older version until
+        the next push reaches it)."""
+        async with self._lock:
+            await self.wait()
+            self.generators[i] = gen
+            if self.kind == "collective":
+                await self._attach()
+            else:
+                await _bounded(f"generator{i}.attach_weights", gen.attach_weights.call_one(self._handle, i),
+                               self.cfg.weight_sync.timeout_s)
 
     async def start(self, version: int) -> None:
         """Pack v on the trainer and start delivering it; returns once the trainer may step again."""
-        await self.wait()
-        t0 = time.monotonic()
-        await self.trainer.push_weights()
-        packed = time.monotonic()
-        self._task = asyncio.create_task(self._deliver(version, t0, packed), name=f"weight-push-v{version}")
+        async with self._lock:
+            await self.wait()
+            if self._rewire:
+                await self._attach()
+            t0 = time.monotonic()
+            await self.trainer.push_weights()
+            packed = time.monotonic()
+            self._task = asyncio.create_task(self._deliver(version, t0, packed), name=f"weight-push-v{version}")
 
     async def wait(self) -> float:
         """Wait for the push in flight (if any); raises its error. Seconds end to end of the last push."""
@@ -108,18 +159,42 @@ class WeightSync:
 
     async def _deliver(self, version: int, t0: float, packed: float) -> None:
         ws, g = self.cfg.weight_sync, self.cfg.generator
-        await _bounded(f"weight push v{version}: stage over {self.kind}", asyncio.gather(
-            *[self._stage(i, gen, version) for i, gen in enumerate(self.generators)]), ws.timeout_s + 30)
+        members = self.live()
+        ok = await _bounded(f"weight push v{version}: stage over {self.kind}", asyncio.gather(
+            *[self._member(i, self._stage(i, gen, version)) for i, gen in members]), ws.timeout_s + 30)
+        members = [m for m, good in zip(members, ok) if good]
         staged = time.monotonic()
         apply_timeout = ws.timeout_s + g.request_timeout_s
         if g.rolling:
-            for i, gen in enumerate(self.generators):
-                await self._apply(i, gen, version, apply_timeout)
+            for i, gen in members:
+                await self._member(i, self._apply(i, gen, version, apply_timeout))
         else:
-            await asyncio.gather(*[self._apply(i, gen, version, apply_timeout)
-                                   for i, gen in enumerate(self.generators)])
+            await asyncio.gather(*[self._member(i, self._apply(i, gen, version, apply_timeout)) for i, gen in members])
         done = time.monotonic()
+        self.version = version
         self.last = {"total_s": done - t0, "pack_s": packed - t0, "stage_s": staged - packed, "apply_s": done - staged}
+
+    async def _member(self, i: int, aw) -> bool:
+        """One generator's part of a push: True if it succeeded; a failure takes the generator out
+        (and goes to its supervisor) when there is one, else fails the push. `detach(i)` cancels it."""
+        part = self._parts[i] = asyncio.ensure_future(aw)
+        try:
+            await asyncio.shield(part)
+            return True
+        except asyncio.CancelledError:
+            if not part.cancelled():  # this push was cancelled, not just member i
+                part.cancel()
+                raise
+            return False
+        except Exception as e:
+            if self.on_failure is None:
+                raise
+            self.detach(i)
+            self.on_failure(i, e)
+            return False
+        finally:
+            if self._parts.get(i) is part:
+                del self._parts[i]
 
     async def _stage(self, i: int, gen: Any, version: int) -> None:
         try:

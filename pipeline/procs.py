@@ -1,0 +1,62 @@
+"""Process-tree helpers from /proc (Linux): who descends from a pid, and killing exactly those.
+
+A process is named by (pid, start time in clock ticks), so a pid the kernel has reused since is
+never killed by mistake.
+
+    tree = [me(), *descendants(os.getpid())]   # this process and every live descendant
+    kill(tree)                             # SIGKILL the ones still alive (same pid and start time)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+Proc = tuple[int, int]
+
+
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, start time, state) of a live pid, or None."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19]), fields[0]
+
+
+def me() -> Proc:
+    pid = os.getpid()
+    return pid, _stat(pid)[1]
+
+
+def alive(proc: Proc) -> bool:
+    st = _stat(proc[0])
+    return st is not None and st[1] == proc[1] and st[2] != "Z"
+
+
+def descendants(pid: int) -> list[Proc]:
+    """Every live descendant of `pid` (children, their children, ...)."""
+    children: dict[int, list[Proc]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (st := _stat(int(d.name))) is not None:
+            children.setdefault(st[0], []).append((int(d.name), st[1]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
+def kill(procs: list[Proc]) -> list[int]:
+    """SIGKILL each process that is still the one recorded; returns the pids signalled."""
+    hit = []
+    for p in procs:
+        if alive(p):
+            try:
+                os.kill(p[0], signal.SIGKILL)
+                hit.append(p[0])
+            except OSError:
+                pass
+    return hit

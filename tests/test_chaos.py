@@ -1,0 +1,30 @@
+"""Generators killed mid-run (engine core, then a whole proc) are restarted and the run completes:
+the short version of tools/chaos.py, on the real job (CLI, Monarch, vLLM, torchtitan)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_killed_generators_are_restarted_and_no_admitted_group_is_lost(tmp_path):
+    out = tmp_path / "chaos"
+    p = subprocess.run([sys.executable, "tools/chaos.py", "--quick", "--out", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=1500)
+    report = json.loads((out / "chaos.json").read_text()) if (out / "chaos.json").exists() else {}
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert all(report["checks"].values()), report["checks"]
+    kinds = [k["kind"] for k in report["kills"]]
+    assert kinds == ["engine core", "generator proc"]
+    for k in report["kills"]:
+        assert 0 <= k["detection_s"] < 30, k  # seconds, not the next call's timeout
+        assert k["recovery_s"] < 300, k
+    assert report["buffer"]["requeued_groups"] >= 0
+    assert (out / "chaos.png").stat().st_size > 0
