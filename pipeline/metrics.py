@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,13 @@ def _scalar(v: Any) -> float | None:
     return None
 
 
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line of a killed run: dropped
+
+
 class NullSink:
     """Writes nothing; lets the loop log unconditionally."""
 
@@ -34,16 +42,30 @@ class NullSink:
 
 
 class MetricsSink:
-    """One JSON line per `log` call (all values) and TensorBoard scalars (numeric values)."""
+    """One JSON line per `log` call (all values) and TensorBoard scalars (numeric values).
 
-    def __init__(self, out_dir: str | Path):
+    A run owns its out_dir's metrics: a fresh run (`resume_step=None`) starts metrics.jsonl anew; a
+    resumed one keeps the rows up to its checkpoint's step, drops the later ones (logged after that
+    checkpoint by the run that died) and appends, so no step appears twice. TensorBoard events from
+    `resume_step + 1` on are purged likewise.
+    """
+
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
+        keep = []
+        if resume_step is not None and self.path.exists():
+            keep = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and _row_step(line) <= resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)  # a crash here leaves the old file or the kept rows, never half
         self._f = self.path.open("a")
-        self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+        self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"),
+                                 purge_step=None if resume_step is None else resume_step + 1)
         self._t0 = time.monotonic()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@ RL and SFT steps, distributed checkpoints, HF export.
 
     core = TrainCore(cfg, rank, world)      # torch.distributed already initialised when world > 1
     metrics = core.train_step(batch)        # every rank passes the full Batch and takes its shard
-    core.save(path); core.load(path)        # torch.distributed.checkpoint + trainer_state.json
+    core.save(path); core.load(path)        # torch.distributed.checkpoint + trainer_state.json + RNG
     core.export_hf(out_dir)                 # vLLM-loadable HF directory (collective; rank 0 writes)
 
 PPO minibatches and epochs: one batch is one policy version. log π_old is taken once, with the
@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline import losses
+from pipeline.checkpoint import rng_state, set_rng_state
 from pipeline.config import Config
 from pipeline.model import build_model, export_hf, model_dir, read_hf_config, save_hf_checkpoint
 from pipeline.train_checks import BadBatchError, check_batch, check_sft
@@ -322,11 +323,12 @@ class TrainCore:
     def save(self, path: str | Path, data_state: dict | None = None) -> str:
         """Weights + optimizer via torch.distributed.checkpoint (sharded, reloadable at another world
         size); version, LR schedule, optimizer hyper-parameters and the caller's data position in
-        trainer_state.json (rank 0)."""
+        trainer_state.json (rank 0); this rank's torch/python RNG in rng_rank<r>.pt."""
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
         dcp.save(self._dcp_state(), checkpoint_id=str(path))
+        torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             state = {"version": self.version, "samples_seen": self.samples_seen, "world": self.world,
@@ -337,7 +339,10 @@ class TrainCore:
         return str(path)
 
     def load(self, path: str | Path) -> dict:
-        """Restore what `save` wrote, in place; returns the saved data_state."""
+        """Restore what `save` wrote, in place; returns the saved data_state. trainer.lr and
+        trainer.weight_decay are this config's (they may change on resume); the LR schedule's
+        position is the checkpoint's. A rank the checkpoint had no RNG file for (it was saved at a
+        smaller world size) keeps its seeded RNG."""
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
@@ -351,5 +356,12 @@ class TrainCore:
             g.update(saved)
         self.version, self.samples_seen = int(state["version"]), int(state["samples_seen"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler.base_lrs = [self.tcfg.lr] * len(self.optimizer.param_groups)
+        for g, lam in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            g.update(initial_lr=self.tcfg.lr, lr=self.tcfg.lr * lam(self.scheduler.last_epoch),
+                     weight_decay=self.tcfg.weight_decay)
+        rng = path / f"rng_rank{self.rank}.pt"
+        if rng.is_file():
+            set_rng_state(torch.load(rng, weights_only=False))
         self._barrier()
         return state["data_state"]

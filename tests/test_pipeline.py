@@ -149,26 +149,76 @@ def test_session_steps_the_pipeline_by_hand(tmp_path):
 
 
 def test_checkpoint_then_resume_continues_versions_and_prompt_position(tmp_path):
-    first, second = tmp_path / "first", tmp_path / "second"
-    base = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL, "run.warm_start_steps=0"]
-    p = subprocess.run([*base, "run.steps=2", "run.checkpoint_every=2", f"run.out_dir={first}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    ckpt = first / "checkpoints" / "step_2"
-    assert (ckpt / "controller_state.pt").is_file()
-    p = subprocess.run([*base, "run.steps=4", f"run.resume={ckpt}", f"run.out_dir={second}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    rows = [r for r in _metrics(second) if "version/trainer" in r]
-    assert [(r["step"], r["version/trainer"]) for r in rows] == [(3, 3), (4, 4)]
-    assert rows[-1]["version/generator"] >= 3  # generators were given the checkpoint's weights
-    import torch
+    """Run 1 checkpoints every 2 steps (keeping one) and is interrupted mid-run, which writes a last
+    checkpoint. Run 2 (`run.resume=latest`, same out_dir) continues from the newest complete one:
+    steps and versions go on, every step is in metrics.jsonl once (rows a dead run logged after its
+    checkpoint are replaced), a half-written save is swept, the held complete groups are trained
+    (nothing is dropped as "restored") and the eval curve goes on from step 0."""
+    from pipeline.checkpoint import complete_checkpoints, latest, load_controller_state, read_marker
 
-    state = torch.load(ckpt / "controller_state.pt", weights_only=False)
-    assert state["version"] == 2 and state["buffer"]["buffer"]["batches"] == 2
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    base = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL, "run.warm_start_steps=0",
+            "run.checkpoint_every=2", "run.keep_checkpoints=1", "run.eval_every=2", "task.eval_prompts=4",
+            f"run.out_dir={out}"]
+    with open(tmp_path / "run1.log", "w") as log1:
+        proc = subprocess.Popen([*base, "run.steps=1000"], cwd=REPO, stdout=log1, stderr=subprocess.STDOUT)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 400
+        mj = out / "metrics.jsonl"
+        while not mj.exists() or mj.read_text().count('"version/trainer"') < 3:
+            seen |= _descendants(proc.pid)
+            assert proc.poll() is None, (tmp_path / "run1.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "run 1 did not reach step 3 in 400s"
+            time.sleep(0.5)
+        seen |= _descendants(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=240) in (130, 1, -signal.SIGINT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in seen | _descendants(proc.pid):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    text1 = (tmp_path / "run1.log").read_text()
+    logged = max(r["step"] for r in _metrics(out) if "version/trainer" in r)
+    ckpt = latest(root)
+    k = read_marker(ckpt)["step"]
+    assert complete_checkpoints(root) == [ckpt]  # run.keep_checkpoints=1
+    # the last checkpoint caught up with the interrupt, unless it found a step cut short (and said so)
+    assert k >= logged or "no last checkpoint: trainer at version" in text1, text1[-4000:]
+    state = load_controller_state(ckpt)
+    assert state["version"] == k and state["buffer"]["buffer"]["batches"] == k
+    held = state["buffer"]["buffer"]
+    (root / "step_999.tmp-1-1").mkdir()  # a save killed before its rename
+    with open(out / "metrics.jsonl", "a") as f:  # a row logged after the checkpoint by a run that died
+        f.write(json.dumps({"step": k + 1, "version/trainer": k + 1, "stale_row": True}) + "\n")
+
+    p = subprocess.run([*base, f"run.steps={k + 2}", "run.resume=latest"], cwd=REPO, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    n = len(held["complete"])
+    assert f"resumed from {ckpt} at step {k} (version {k}): {n} complete groups to train" in p.stderr
+    assert not (root / "step_999.tmp-1-1").exists()
+    rows = _metrics(out)
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)) and not any(r.get("stale_row") for r in rows), steps
+    train = [(r["step"], r["version/trainer"]) for r in rows if "version/trainer" in r]
+    # run 1's rows up to the checkpoint (a step it trained after its last row has none), then run 2's
+    want = [s for s in range(1, k + 3) if s <= min(logged, k) or s > k]
+    assert train[-2:] == [(k + 1, k + 1), (k + 2, k + 2)] and [s for s, _ in train] == want, train
+    assert rows[-1]["version/generator"] >= k + 1  # generators were given the checkpoint's weights
+    assert "(step 0) -> " in p.stdout and f"(step {k + 2})" in p.stdout  # the eval curve went on
+    buf = json.loads((out / "summary.json").read_text())["stats"]["buffer"]
+    assert "restored" not in buf["dropped_groups"]
+    assert buf["trained_samples"] == (k + 2) * 2 * 2  # SMALL: 2 groups of 2 per step
+    assert buf["admitted_samples"] == buf["trained_samples"] + buf["dropped_samples"] + buf["held_samples"]
 
 
 def test_resume_from_a_missing_checkpoint_is_a_config_error(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
-                        f"run.resume={tmp_path / 'nothing'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "run.resume" in p.stderr
+    for resume in (tmp_path / "nothing", "latest"):  # no such directory; no checkpoint under run.out_dir
+        p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
+                            f"run.out_dir={tmp_path}", f"run.resume={resume}"], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 2 and "run.resume" in p.stderr, p.stderr[-2000:]

@@ -1,0 +1,336 @@
+"""Durable checkpoints: atomic step directories, retention, the newest complete one, and the
+fingerprint a resume must match.
+
+    ck = Checkpoints(cfg)                    # out_dir/checkpoints, keeping run.keep_checkpoints
+    ck.sweep()                               # at start: remove what a killed save left behind
+    tmp = ck.begin(step)                     # a fresh step_N.tmp-<pid>-<k>
+    ...                                      # every trainer rank writes its part into tmp, then the
+                                             # controller writes controller_state.pt
+    path = ck.commit(tmp, step, version)     # marker written last, os.replace -> step_N, retention
+    cfg = prepare_resume(cfg)                # run.resume=latest -> a path; fingerprint checked
+
+A checkpoint directory out_dir/checkpoints/step_N/ holds
+    .metadata, __<r>_0.distcp   trainer model + AdamW moments (torch.distributed.checkpoint, all ranks)
+    trainer_state.json          version, LR schedule, optimizer hyper-parameters (trainer rank 0)
+    rng_rank<r>.pt              torch and python RNG of trainer rank r
+    controller_state.pt         step, version, the buffer (held groups with their rollouts, counters,
+                                prompt position), the eval curve, the controller's RNG
+    COMPLETE.json               the completion marker, written last: step, version, fingerprint,
+                                the run's config and every other file's size
+
+Atomicity: a directory is complete iff it is named step_N and its COMPLETE.json parses and lists
+every file at its recorded size. Writers fill step_N.tmp-<pid>-<k> and the controller renames it only
+after every trainer rank has returned and the (fsync'd) marker is on disk, so a save killed at any
+point leaves the previous checkpoints intact plus a tmp directory that is never resumed and is swept
+at the next start. A step_N without its marker or with a truncated file is skipped by `latest`.
+
+Newest means most recently written (the marker's time, then the step): a fresh run in an out_dir
+that holds an earlier run's checkpoints makes its own the newest, and retention (keep the
+run.keep_checkpoints newest complete ones; 0 keeps all) removes the old ones as it goes.
+
+Fingerprint: what a resume must match, else a ConfigError naming the key before any mesh starts:
+the model's shape (from model.tiny, or model.hf_dir's config.json), the tokenizer, task.name,
+buffer.batch_groups and buffer.group_size. Any other key may change on resume (trainer.lr,
+run.steps, ...): the new value applies, and a log line says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMPLETE.json"
+CONTROLLER_STATE = "controller_state.pt"
+_STEP = re.compile(r"step_(\d+)")
+_LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[\d-]+")
+# The parameter shapes of a Qwen3 HF config (max_position_embeddings is not one: RoPE is recomputed).
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+_TINY_KEYS = {"hidden_size": "model.tiny.dim", "intermediate_size": "model.tiny.ffn_dim",
+              "num_hidden_layers": "model.tiny.n_layers", "num_attention_heads": "model.tiny.n_heads",
+              "num_key_value_heads": "model.tiny.n_kv_heads", "head_dim": "model.tiny.dim / model.tiny.n_heads"}
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+# ---------------------------------------------------------------------- completeness
+
+
+def incomplete(path: str | Path) -> str | None:
+    """Why `path` is not a complete checkpoint directory, or None if it is one."""
+    path = Path(path)
+    if not path.is_dir():
+        return "no such directory"
+    if not _STEP.fullmatch(path.name):
+        return f"{path.name!r} is not a step_N directory (a save that did not finish?)"
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        files = marker["files"]
+    except FileNotFoundError:
+        return f"no {MARKER} (the save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MARKER} is unreadable ({type(e).__name__})"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} recorded (truncated)"
+    return None
+
+
+def read_marker(path: str | Path) -> dict:
+    """The completion marker of a complete checkpoint (raises ConfigError naming run.resume if not)."""
+    why = incomplete(path)
+    if why is not None:
+        raise ConfigError(f"config: run.resume={str(path)!r} is invalid; allowed: 'latest' or a complete "
+                          f"checkpoint directory (this one: {why})")
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete step_N directories under `root`, oldest first (by marker time, then step); an
+    incomplete step_N is skipped with a warning."""
+    found = []
+    for d in Path(root).glob("step_*"):
+        if not _STEP.fullmatch(d.name):
+            continue  # a tmp / old leftover: never resumed
+        why = incomplete(d)
+        if why is not None:
+            log.warning("checkpoint %s is skipped: %s", d, why)
+            continue
+        m = json.loads((d / MARKER).read_text())
+        found.append((m["written_at"], m["step"], d))
+    return [d for _, _, d in sorted(found)]
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpoints:
+    """The checkpoint directory of one run (module docstring): atomic writes, sweep, retention."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg  # the user's config: recorded in every marker, diffed on resume
+        self.root = checkpoint_root(cfg.run.out_dir)
+        self.keep = cfg.run.keep_checkpoints
+        self._saves = 0
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step_{step}"
+
+    def sweep(self) -> list[Path]:
+        """Remove step_N.tmp-* / step_N.old-* left by a save that was killed (call at start, when
+        no save of this out_dir is running)."""
+        gone = [d for d in self.root.glob("step_*") if _LEFTOVER.fullmatch(d.name)]
+        for d in gone:
+            log.warning("removing %s, left by a checkpoint save that did not finish", d)
+            shutil.rmtree(d, ignore_errors=True)
+        return gone
+
+    def begin(self, step: int) -> Path:
+        """A new empty directory for one save of step `step`, shared by every writer of that save
+        (unique per save: an abandoned save's writers may still be finishing in theirs)."""
+        self._saves += 1
+        tmp = self.root / f"step_{step}.tmp-{os.getpid()}-{self._saves}"
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def abort(self, tmp: Path) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    def commit(self, tmp: Path, step: int, version: int) -> Path:
+        """Seal `tmp` (every file fsync'd, then the marker listing their sizes), rename it to step_N
+        (replacing an older step_N) and apply retention. Returns step_N."""
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync(f)
+            files[f.relative_to(tmp).as_posix()] = f.stat().st_size
+        marker = {"format": 1, "step": step, "version": version, "written_at": time.time(),
+                  "fingerprint": fingerprint(self.cfg), "config": dataclasses.asdict(self.cfg), "files": files}
+        with open(tmp / MARKER, "w") as fh:
+            json.dump(marker, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        final, old = self.path(step), None
+        if final.exists():  # this step of an earlier run in the same out_dir (or a resumed older one)
+            old = final.with_name(f"{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync(self.root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self.prune()
+        return final
+
+    def prune(self) -> list[Path]:
+        """Keep the `keep` newest complete checkpoints (0: all); returns the removed ones."""
+        found = complete_checkpoints(self.root)
+        gone = found[:-self.keep] if self.keep else []
+        for d in gone:
+            shutil.rmtree(d, ignore_errors=True)
+        return gone
+
+
+def save_controller_state(ckpt_dir: Path, state: dict) -> None:
+    torch.save(state, Path(ckpt_dir) / CONTROLLER_STATE)
+
+
+def load_controller_state(ckpt_dir: str | Path) -> dict:
+    # Held groups are pickled pipeline.types dataclasses, hence weights_only=False (our own files).
+    return torch.load(Path(ckpt_dir) / CONTROLLER_STATE, weights_only=False)
+
+
+# ---------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict:
+    """This process's torch and python RNG (and CUDA's, once initialised)."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------- fingerprint and resume
+
+
+def _sha256(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
+
+
+def fingerprint(cfg: Config) -> dict[str, Any]:
+    """What a resume must match (module docstring), read from files only: no model is built."""
+    from pipeline.model import SPECIAL_TOKENS, _padded_vocab_size, _vocab, hf_config
+
+    m = cfg.model
+    if m.hf_dir:
+        d = Path(m.hf_dir)
+        try:
+            conf = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"config: model.hf_dir={m.hf_dir!r} is invalid; allowed: a HF checkpoint directory "
+                              f"with a readable config.json ({e})") from None
+        tok_files = sorted(p for p in d.iterdir()
+                           if p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")))
+        tokenizer = _sha256(*(p.name.encode() + p.read_bytes() for p in tok_files))
+    else:
+        conf = hf_config(m.tiny, _padded_vocab_size(len(_vocab())))
+        # the tiny tokenizer is defined by its vocabulary (pipeline.model builds tokenizer.json from it)
+        tokenizer = _sha256(json.dumps({"special": SPECIAL_TOKENS, "vocab": _vocab()}, sort_keys=True).encode())
+    fp: dict[str, Any] = {f"model.{k}": conf.get(k) for k in SHAPE_KEYS}
+    if fp["model.head_dim"] is None:
+        fp["model.head_dim"] = conf["hidden_size"] // conf["num_attention_heads"]
+    fp.update({"tokenizer": tokenizer, "task.name": cfg.task.name,
+               "buffer.batch_groups": cfg.buffer.batch_groups, "buffer.group_size": cfg.buffer.group_size})
+    return fp
+
+
+def _key_name(key: str, cfg: Config) -> str:
+    """The config key a user changes to move fingerprint entry `key`."""
+    if key == "tokenizer":
+        return "model.hf_dir (tokenizer files)" if cfg.model.hf_dir else "the tiny model's tokenizer (pipeline.model)"
+    if key.startswith("model."):
+        k = key[len("model."):]
+        if cfg.model.hf_dir:
+            return f"model.hf_dir ({k} in config.json)"
+        return _TINY_KEYS.get(k, f"model.tiny ({k})")
+    return key
+
+
+def _shown(v: Any) -> str:
+    return f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else repr(v)  # hashes abbreviated
+
+
+def check_fingerprint(saved: dict, cfg: Config, path: Path) -> None:
+    """Raise ConfigError naming the first key whose value differs from the checkpoint's."""
+    now = fingerprint(cfg)
+    for key in sorted(set(saved) | set(now)):
+        if saved.get(key) != now.get(key):
+            raise ConfigError(
+                f"config: {_key_name(key, cfg)} does not match the checkpoint run.resume={str(path)!r}: "
+                f"{key} is {_shown(now.get(key))} here, {_shown(saved.get(key))} in the checkpoint. A resume "
+                f"keeps the model shape, tokenizer, task.name, buffer.batch_groups and buffer.group_size; "
+                f"start a new run.out_dir to change them")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, this config's value) for every key that differs, run.resume aside."""
+    old, new = _flat(saved), _flat(dataclasses.asdict(cfg))
+    return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if k != "run.resume" and old.get(k) != new.get(k)]
+
+
+def prepare_resume(cfg: Config) -> Config:
+    """`cfg` with run.resume resolved ('latest': the newest complete checkpoint under run.out_dir)
+    and checked against the checkpoint's fingerprint; raises ConfigError naming run.resume or the
+    mismatched key. Logs every other key that changed since the checkpoint (the new value applies)."""
+    if not cfg.run.resume:
+        return cfg
+    if cfg.run.resume == "latest":
+        root = checkpoint_root(cfg.run.out_dir)
+        path = latest(root)
+        if path is None:
+            raise ConfigError(f"config: run.resume='latest' is invalid; allowed: 'latest' once a complete "
+                              f"checkpoint exists under {str(root)!r} (run.checkpoint_every writes them), "
+                              "or a checkpoint directory")
+    else:
+        path = Path(cfg.run.resume)
+    marker = read_marker(path)
+    check_fingerprint(marker["fingerprint"], cfg, path)
+    if cfg.run.steps <= marker["step"]:
+        raise ConfigError(f"config: run.steps={cfg.run.steps} is invalid; allowed: more than the step of the "
+                          f"checkpoint run.resume={str(path)!r} ({marker['step']}): nothing would be left to train")
+    for key, old, new in config_changes(marker["config"], cfg):
+        log.info("resume: %s=%r (the checkpoint's run had %r); the new value applies", key, new, old)
+    log.info("resume: %s (step %d, version %d)", path, marker["step"], marker["version"])
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(path)))
