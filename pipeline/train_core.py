@@ -39,14 +39,31 @@ from pipeline import losses
 from pipeline.checkpoint import rng_state, set_rng_state
 from pipeline.config import Config
 from pipeline.model import build_model, export_hf, model_dir, read_hf_config, save_hf_checkpoint
-from pipeline.train_checks import BadBatchError, check_batch, check_sft
+from pipeline.train_checks import BadBatchError, EmptyBatchError, check_batch, check_sft
 from pipeline.types import Batch
 
 
 class NonFiniteLossError(FloatingPointError):
     """An optimizer step's loss or gradient norm was NaN/inf; that step's weight update was not
-    applied. With several minibatches, the steps of the same batch before it stay applied (nothing
-    is snapshotted) and the version does not advance: treat the run as failed."""
+    applied and the version does not advance: the step is skipped (see TrainCore.train_step). With
+    several minibatches, the steps of the same batch before it stay applied (nothing is snapshotted)."""
+
+
+class NonFiniteWeightsError(FloatingPointError):
+    """A parameter holds NaN/inf after an optimizer step: the weights are corrupt and must never be
+    pushed or saved. Not a skipped step; the run stops."""
+
+
+class TooManySkippedSteps(RuntimeError):
+    """trainer.max_skipped_steps steps in a row were skipped; the run stops."""
+
+
+def skipped_step_error(err: BaseException) -> BaseException | None:
+    """The trainer's reason for skipping a step if `err` is one (NonFiniteLossError, EmptyBatchError),
+    raised in-process or arriving through an actor call as Monarch's ActorError, which carries the
+    original exception, unpickled with its type, as `.exception`; None for any other error."""
+    inner = getattr(err, "exception", err)
+    return inner if isinstance(inner, (NonFiniteLossError, EmptyBatchError)) else None
 
 
 def minibatch_plan(n: int, minibatches: int, world: int, rank: int,
@@ -107,6 +124,7 @@ class TrainCore:
             self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
         self.version = 0
         self.samples_seen = 0
+        self.skipped_steps = self.consecutive_skips = 0  # see train_step
         # The sampler's logprobs are of the temperature-scaled distribution it sampled from
         # (generator.logprobs_mode=processed, enforced by Config), so the learner scores the same.
         self.temperature = cfg.generator.temperature
@@ -133,11 +151,32 @@ class TrainCore:
         return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1), logits
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One batch = one policy version: trainer.minibatches × trainer.epochs optimizer steps
-        against a fixed π_old (module docstring). Raises before touching the weights on bad input;
-        a non-finite loss or gradient norm raises NonFiniteLossError before that step's update.
-        Returns globally reduced metrics (same on every rank); per-step ones are averaged over the
-        batch's optimizer steps."""
+        """One batch = one policy version (`_train_batch`), or a skipped step: a batch with no loss
+        tokens (EmptyBatchError) or a non-finite loss or gradient norm (NonFiniteLossError) raises,
+        the version stays, and the caller gives the batch back (ReplayBufferCore.skip_batch). With
+        minibatches > 1, optimizer steps of the batch before a non-finite one stay applied: the
+        weights moved under an unchanged version. That is accepted, not undone (no snapshot): the next
+        batch's π_old is recomputed from the current weights, so its loss stays exact, and the
+        change reaches the generators with the next version. trainer.max_skipped_steps skips in a row
+        raise TooManySkippedSteps. Metrics include `skipped_steps`, the run's total so far."""
+        try:
+            metrics = self._train_batch(batch)
+        except (NonFiniteLossError, EmptyBatchError) as e:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.tcfg.max_skipped_steps:
+                raise TooManySkippedSteps(
+                    f"trainer: {self.consecutive_skips} steps in a row skipped at version {self.version} "
+                    f"(trainer.max_skipped_steps={self.tcfg.max_skipped_steps}); last: {e}") from e
+            raise
+        self.consecutive_skips = 0
+        return {**metrics, "skipped_steps": float(self.skipped_steps)}
+
+    def _train_batch(self, batch: Batch) -> dict[str, float]:
+        """trainer.minibatches × trainer.epochs optimizer steps against a fixed π_old (module
+        docstring). Raises before touching the weights on bad input; a non-finite loss or gradient
+        norm raises NonFiniteLossError before that step's update. Returns globally reduced metrics
+        (same on every rank); per-step ones are averaged over the batch's optimizer steps."""
         check_batch(batch, self.vocab_size)
         t = self.tcfg
         if batch.num_samples < t.minibatches:
@@ -163,7 +202,13 @@ class TrainCore:
                 den = losses.local_denominators(mask_all[mb_rows])  # the full minibatch: global counts
                 if den[0] == 0:  # no loss tokens: every rank sees that and skips the same step
                     continue
-                steps.append(self._ppo_step(batch, micro, den, prox, first=epoch == 0 and m == 0))
+                try:
+                    steps.append(self._ppo_step(batch, micro, den, prox, first=epoch == 0 and m == 0))
+                except NonFiniteLossError as e:
+                    if not steps:
+                        raise
+                    raise NonFiniteLossError(f"{e}; {len(steps)} earlier optimizer step(s) of this batch "
+                                             "stay applied") from e
         once = self._all_reduce(prox.sums, prox.mx)
         self.version += 1
         self.samples_seen += batch.num_samples
@@ -259,7 +304,23 @@ class TrainCore:
                                      "step skipped, weights not updated")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._check_weights()
         return norm
+
+    def _check_weights(self) -> None:
+        """Raise NonFiniteWeightsError on every rank if any rank's parameters hold NaN/inf, so such
+        weights are never pushed (one all-reduce: a rank raising alone would hang the others)."""
+        from torch.distributed.tensor import DTensor
+
+        params = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in self.model.named_parameters()]
+        with torch.no_grad():
+            bad = torch.stack([(~torch.isfinite(p)).sum() for _, p in params])
+        total = self._all_reduce({"nonfinite": bad.sum()})["nonfinite"]
+        if total:
+            names = [n for (n, _), b in zip(params, bad.tolist()) if b][:3]
+            raise NonFiniteWeightsError(f"trainer: {int(total)} non-finite parameter value(s) after the optimizer "
+                                        f"step at version {self.version} (on this rank: {names or 'none'}); "
+                                        "the weights are corrupt and are not pushed")
 
     def _all_reduce(self, sums: dict[str, torch.Tensor], mx: torch.Tensor | None = None) -> dict[str, float]:
         """SUM-reduce `sums`; MAX-reduce `mx` into "mm_mismatch_max" when given. Every rank must make
