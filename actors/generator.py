@@ -22,9 +22,7 @@ The logic lives in pipeline/rollout_engine.py; this file only adapts it to Monar
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
-from pathlib import Path
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
@@ -134,26 +132,6 @@ class GeneratorActor(Actor):
         timeout_s = self.cfg.weight_sync.timeout_s
         return await self.core.update(
             version, lambda: load_into_vllm(self.core.engine, self.receiver, version, timeout_s), on_update)
-
-    @endpoint
-    async def load_checkpoint(self, hf_dir: str, version: int, on_update: str | None = None) -> int:
-        """Serve the weights of an HF checkpoint directory as `version`, through the same staging and
-        vLLM load path as a trainer push (a same-host shm sender of its own), under the strategy."""
-        from pipeline.model import load_hf_state_dict
-        from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm
-
-        self.core.check()
-        sd = load_hf_state_dict(Path(hf_dir))
-        ws = dataclasses.replace(self.cfg.weight_sync, transport="shm")
-        sender = WeightSender(ws, sd, num_receivers=1)
-        receiver = WeightReceiver(sender.handle(), 0)
-        try:
-            await asyncio.gather(sender.push(sd, version), receiver.pull(version))
-            return await self.core.update(
-                version, lambda: load_into_vllm(self.core.engine, receiver, version, ws.timeout_s), on_update)
-        finally:
-            receiver.close()
-            sender.close()
 
     @endpoint
     async def version(self) -> int:

@@ -430,6 +430,3 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         obj = prepare_resume(obj)
     return obj
 
-
-def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

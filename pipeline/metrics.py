@@ -1,6 +1,6 @@
 """Metrics sinks: JSONL + TensorBoard on disk, a progress bar, and the end-of-run summary plot.
 
-    sink = MetricsSink(out_dir)          # or NullSink() when nothing should be written
+    sink = MetricsSink(out_dir)
     sink.log(step, {"reward/mean": 0.4, "staleness/mean": 0.5})
     sink.close()
     plot_summary(out_dir / "metrics.jsonl", out_dir / "summary.png")
@@ -29,16 +29,6 @@ def _row_step(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return math.inf  # a torn last line of a killed run: dropped
-
-
-class NullSink:
-    """Writes nothing; lets the loop log unconditionally."""
-
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class MetricsSink:

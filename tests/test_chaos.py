@@ -24,7 +24,7 @@ def test_killed_generators_are_restarted_and_no_admitted_group_is_lost(tmp_path)
     kinds = [k["kind"] for k in report["kills"]]
     assert kinds == ["engine core", "generator proc"]
     for k in report["kills"]:
-        assert 0 <= k["detection_s"] < 30, k  # seconds, not the next call's timeout
+        assert 0 <= k["detection_s"] < 20, k  # seconds, not a call timeout
         assert k["recovery_s"] < 300, k
     assert report["buffer"]["requeued_groups"] >= 0
     assert (out / "chaos.png").stat().st_size > 0

@@ -2,7 +2,8 @@
 
 One engine (built with on_update=keep, so prefix caching is off and every strategy is safe on it)
 serves all tests; each weight update loads a different tiny checkpoint (seed k -> version k) through
-the weight-sync path (shm sender -> WeightReceiver -> load_into_vllm), as `load_checkpoint` does. The work source is a real queue-backed actor defined here, feeding real
+the generator's own weight-sync endpoints (`serve_checkpoint`: a same-host shm WeightSender here ->
+attach_weights -> stage_weights -> apply_weights). The work source is a real queue-backed actor defined here, feeding real
 prompts from pipeline.tasks.reverse. Trainer logprobs come from pipeline.model (torchtitan, fp32).
 
     .venv/bin/python -m pytest -q tests/test_generator.py -x
@@ -77,6 +78,23 @@ def ckpt(seed: int):
     return ensure_tiny_assets(ModelConfig(cache_dir=CACHE, tiny=TinyModelConfig(seed=seed)))
 
 
+async def serve_checkpoint(gen, version: int, on_update: str) -> int:
+    """Make `gen` serve tiny checkpoint seed `version` as `version` through its production endpoints."""
+    from pipeline.config import WeightSyncConfig
+    from pipeline.model import load_hf_state_dict
+    from pipeline.weightsync import WeightSender
+
+    sd = load_hf_state_dict(ckpt(version))
+    sender = WeightSender(WeightSyncConfig(transport="shm"), sd, num_receivers=1)
+    try:
+        await gen.attach_weights.call_one(sender.handle(), 0)
+        await sender.push(sd, version)
+        await gen.stage_weights.call_one(version)
+        return await gen.apply_weights.call_one(version, on_update)
+    finally:
+        sender.close()
+
+
 @pytest.fixture(scope="module")
 def env():
     loop = asyncio.new_event_loop()
@@ -123,7 +141,7 @@ async def run_stage_with_update(gen, src, version: int, on_update: str, n_prompt
     await src.feed.call_one(prompts(n_prompts, seed))
     await gen.start_generation.call_one(src)
     await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
-    served = await gen.load_checkpoint.call_one(str(ckpt(version)), version, on_update)
+    served = await serve_checkpoint(gen, version, on_update)
     assert served == version == await gen.version.call_one()
     await finish_stage(gen, base + n_prompts)
     rollouts, released, _ = await src.drain.call_one()
@@ -180,7 +198,7 @@ def test_in_flight_stays_at_n_prime_while_prompts_remain(env):
         await gen.start_generation.call_one(src)
         await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
         samples = []
-        served = await gen.load_checkpoint.call_one(str(ckpt(v)), v, "keep")
+        served = await serve_checkpoint(gen, v, "keep")
         while (s := await gen.stats.call_one())["groups"] < 12 or s["pending"] > 0:
             if s["pending"] > 0:
                 samples.append(s["in_flight"])
@@ -290,7 +308,7 @@ def test_stage_end_carries_partials_that_resume_on_new_weights_with_their_own_lo
         await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
         ended = await gen.end_stage.call_one("save", True)
         first, _, _ = await src.drain.call_one()
-        served = await gen.load_checkpoint.call_one(str(ckpt(v + 1)), v + 1, "keep")  # resumes the stage
+        served = await serve_checkpoint(gen, v + 1, "keep")  # resumes the stage
         await finish_stage(gen, base + 4)
         second, _, _ = await src.drain.call_one()
         return ended, served, first, second, await gen.stats.call_one()
