@@ -4,22 +4,32 @@ Runs the whole job (generators, replay buffer, trainer, weight sync) as describe
 Under torchrun every rank joins one Monarch job and rank 0 drives it, on one host
 (`torchrun --nproc-per-node K -m pipeline.run ...`) or several (one launcher per node with
 `--nnodes N --node-rank R --master-addr A --master-port P`; see pipeline/torchrun.py).
-Exit codes: 0 done, 2 bad config or arguments, 1 the run failed, 130 interrupted.
+Exit codes: 0 done, 2 bad config or arguments, 1 the run failed; stopped by a signal, once its
+shutdown has run: 130 SIGINT, 143 SIGTERM, 129 SIGHUP (128 + signum, also after a second signal or
+a shutdown past its grace period, which kill the run's process tree instead; see pipeline/cleanup.py).
+Nothing of the run outlives it: at start the segments of dead runs are swept from /dev/shm; at exit
+whatever of this process's tree survived the shutdown is killed and its segments unlinked.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import logging
 import os
 import sys
 from typing import Any
 
+from pipeline import cleanup
 from pipeline.config import Config, ConfigError, load_config
 
 log = logging.getLogger("pipeline")
+
+# After a signal, how long the run may take to stop before its process tree is killed: here the last
+# checkpoint (30 s at most after an interrupt) and the shutdown (60 s at most) with margin; under
+# torchrun less than the 30 s after which torchrun SIGKILLs its ranks (its --shutdown-timeout).
+GRACE_S = 120.0
+TORCHRUN_GRACE_S = 25.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,36 +54,59 @@ def print_summary(cfg: Config, summary: dict) -> None:
     print(f"   HF checkpoint: {summary.get('checkpoint')}")
 
 
-def drive(cfg: Config, host: Any = None) -> None:
-    """Run the job from this process on `host` (a host mesh; None: this host) and print its summary."""
+def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S) -> None:
+    """Run the job from this process on `host` (a host mesh; None: this host) and print its summary.
+    SIGINT, SIGTERM or SIGHUP stop it through the controller's shutdown (cleanup.run_until_signalled)."""
     from pipeline.controller import run
 
-    summary = asyncio.run(run(cfg, host=host))
+    summary = cleanup.run_until_signalled(run(cfg, host=host), grace_s)
     print_summary(cfg, summary)
 
 
 def launch(cfg: Config) -> int:
     """Local run, or under torchrun: every rank joins one Monarch job and rank 0 drives it."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
+    if not under_torchrun or os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
+        loopback_only()  # before any proc starts: they inherit this environment
+    if under_torchrun:
         from pipeline.torchrun import run_under_torchrun
 
-        return run_under_torchrun(cfg, functools.partial(drive, cfg))
+        return run_under_torchrun(cfg, functools.partial(drive, cfg, grace_s=TORCHRUN_GRACE_S))
     drive(cfg)
     return 0
 
 
+def loopback_only() -> None:
+    """One host: every socket of the run listens on loopback. Ours bind 127.0.0.1 already; gloo
+    groups that pick their interface from the host name (vLLM's inside each engine) would bind the
+    address it resolves to, and vLLM's own address would be the default route's."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The program. It owns this process: the run's processes stay in its tree, and at exit whatever
+    of that tree outlived the shutdown is killed (cleanup.stop_tree)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cleanup.become_subreaper()
+    cleanup.raise_on_signals()
     try:
         cfg = load_config(args.config, args.overrides)
+        swept = cleanup.sweep_segments()
+        if swept:
+            log.info("removed %d shared-memory segments of dead runs: %s", len(swept), " ".join(swept))
         return launch(cfg)
     except ConfigError as e:  # from the file, or from the job's shape (e.g. trainer.num_ranks vs hosts)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # SIGINT; cleanup.Interrupted for SIGTERM and SIGHUP
+        print(f"interrupted ({e or 'SIGINT'}); exit code {cleanup.exit_code(e)}", file=sys.stderr)
+        return cleanup.exit_code(e)
+    finally:
+        left = cleanup.stop_tree()  # under torchrun: this rank's Monarch worker; else what a shutdown missed
+        if left:
+            log.info("stopped %d processes still running after the shutdown: %s", len(left), left)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ the meshes live on a private event loop thread. `s.pipe` is the underlying `Pipe
 from __future__ import annotations
 
 import asyncio
+import atexit
 import threading
 from typing import Any, Sequence
 
@@ -32,6 +33,7 @@ class Session:
         self._thread.start()
         self.pipe = Pipeline(cfg)
         self._generating = False
+        atexit.register(self.stop)  # a session left open stops its meshes when the interpreter exits
 
     @classmethod
     def start(cls, config: str | Config | None = None, overrides: Sequence[str] = ()) -> "Session":
@@ -113,7 +115,9 @@ class Session:
         return self._run(go())
 
     def stop(self) -> None:
-        """Stop every proc mesh and the session's loop; safe to call twice."""
+        """Stop every proc mesh (the controller's bounded shutdown) and the session's loop; safe to
+        call twice, and called at interpreter exit if never called."""
+        atexit.unregister(self.stop)
         if self._loop.is_running():
             try:
                 self._run(self.pipe.shutdown(), timeout=300)

@@ -85,8 +85,13 @@ def _wait_for_rank0(store) -> int:
 
 
 def run_under_torchrun(cfg: Config, drive: Callable[[Any], None]) -> int:
-    """Join the Monarch job; on global rank 0 call `drive(host_mesh)`. Returns rank 0's exit code."""
+    """Join the Monarch job; on global rank 0 call `drive(host_mesh)`. Returns rank 0's exit code.
+    A signal (torchrun forwards SIGINT, SIGTERM and SIGHUP to every rank's process group) stops
+    rank 0's run through its shutdown, and the other ranks at once; all exit 128 + signum."""
     from monarch.job.spmd import StoreJob
+    from torch.distributed import DistError
+
+    from pipeline.cleanup import exit_code
 
     topology = {k: int(os.environ[v]) for k, v in (("rank", "RANK"), ("local_rank", "LOCAL_RANK"),
                 ("world_size", "WORLD_SIZE"), ("local_world_size", "LOCAL_WORLD_SIZE"))}
@@ -117,7 +122,13 @@ def run_under_torchrun(cfg: Config, drive: Callable[[Any], None]) -> int:
     try:
         drive(job.state().pipeline_worker)
         code = 0
+    except KeyboardInterrupt as e:  # a signal stopped the run (its shutdown ran): the others exit alike
+        code = exit_code(e)
+        raise
     finally:
         stop.set()
-        store.set(DONE_KEY, str(code))
+        try:
+            store.set(DONE_KEY, str(code))
+        except DistError as e:  # torchrun's store went first (it is shutting down): nobody is waiting
+            log.warning("could not publish exit code %d: %s", code, str(e).splitlines()[0])
     return code

@@ -12,24 +12,20 @@ from __future__ import annotations
 
 import mmap
 import os
-import uuid
 import weakref
 
 import torch
 
+# Segment names (`mrl-ws-<tag>-<creator pid>-<random>`) are made where the sweep reads them back.
+from pipeline.cleanup import SHM_DIR, segment_name as new_name  # noqa: F401
 from pipeline.weightsync.errors import PlanMismatchError, ShortBufferError, TornReadError, VersionRegressionError
 
-SHM_DIR = "/dev/shm"
 HEADER_BYTES = 4096
 HEADER_WORDS = 8
 MAGIC = 0x4D524C5753  # "MRLWS"
 EMPTY, WRITING = -2, -1
 # header word indices
 H_MAGIC, H_VERSION, H_PLAN, H_TOTAL = 0, 1, 2, 3
-
-
-def new_name(tag: str) -> str:
-    return f"mrl-ws-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class Segment:

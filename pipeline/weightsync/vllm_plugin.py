@@ -1,7 +1,8 @@
 """vLLM general plugin (entry point `vllm.general_plugins: monarch_rl_weight_transfer`).
 
 vLLM calls `register()` in every engine and worker process it starts, so the `monarch_rl`
-weight-transfer backend exists wherever `weight_transfer_config={"backend": "monarch_rl"}` is used.
+weight-transfer backend exists wherever `weight_transfer_config={"backend": "monarch_rl"}` is used,
+and the engine core dies with the process that started it (pipeline.cleanup.exit_with_parent).
 The package must be installed (`pip install --no-deps -e .`) for the entry point to be visible.
 """
 
@@ -12,6 +13,10 @@ BACKEND = "monarch_rl"
 
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from pipeline.cleanup import exit_with_parent
+
+    exit_with_parent()
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, "pipeline.weightsync.vllm_engine",
