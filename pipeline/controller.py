@@ -57,6 +57,7 @@ CALL_TIMEOUT_S = 600.0
 HEALTH_PERIOD_S = 2.0
 EVAL_SAMPLES = 4
 LAST_CHECKPOINT_TIMEOUT_S = 120.0  # after a failure; after an interrupt (Ctrl-C, a signal) a quarter of it
+SHUTDOWN_TIMEOUT_S = 60.0  # Pipeline.shutdown, all of it
 
 
 class RunError(RuntimeError):
@@ -301,18 +302,18 @@ class Pipeline:
         if killed:
             log.warning("generator%d: killed leftover processes %s", i, killed)
 
-    async def shutdown(self) -> None:
-        """close -> cancel -> stop: ends generation, then stops every proc mesh (never raises)."""
+    async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """close -> cancel -> stop, within timeout_s overall: cancel the push in flight, then stop every
+        generator (engine, proc, leftover engine processes) and every other proc mesh concurrently.
+        Never raises: a failed or late step is logged, so the error that caused the shutdown is the
+        one that propagates (what a timeout leaves running, pipeline.run kills at exit)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
         if self.sync is not None:
             self.sync.cancel()
-            with contextlib.suppress(BaseException):
-                await self.sync.wait()
-        for i, g in enumerate(self.generators):
-            await self._stop_generator(i, g)
-        for procs in reversed(self._procs):
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(procs.stop(), 60)
-        self._procs.clear()
+            await _settle({"weight sync": self.sync.wait()}, deadline)
+        procs, self._procs = self._procs, []
+        await _settle({**{f"generator{i} stop": self._stop_generator(i, g) for i, g in enumerate(self.generators)},
+                       **{f"proc mesh {k} stop": p.stop() for k, p in enumerate(procs)}}, deadline)
 
     # ------------------------------------------------------------------ steps
 
@@ -630,11 +631,39 @@ async def run(cfg: Config, host: Any = None) -> dict:
         await asyncio.gather(*loops, return_exceptions=True)
         await pipe.save_last_checkpoint(err)  # never raises: the run's own error follows
         raise
-    finally:
+    finally:  # nothing here raises over the run's own outcome: a failed step is logged
         if progress is not None:
-            progress.close()
-        sink.close()
+            _quietly("closing the progress bar", progress.close)
+        _quietly("closing the metrics sink", sink.close)
         await pipe.shutdown()
         if sink.path.exists() and sink.path.stat().st_size:
-            plot_summary(sink.path, out / "summary.png", title=f"{cfg.task.name} ({cfg.run.mode})")
+            _quietly("the summary plot", plot_summary, sink.path, out / "summary.png",
+                     f"{cfg.task.name} ({cfg.run.mode})")
+
+
+async def _settle(steps: dict[str, Any], deadline: float) -> None:
+    """Run shutdown steps (name -> awaitable) concurrently until all end or `deadline` (loop time);
+    log each failure and cancel what is late. Raises only the caller's own cancellation."""
+    tasks = {asyncio.ensure_future(aw): what for what, aw in steps.items()}
+    if not tasks:
+        return
+    try:
+        done, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+        raise
+    for t in late:
+        t.cancel()
+        log.error("shutdown: %s still running at the shutdown's deadline; cancelled", tasks[t])
+    for t in done:
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("shutdown: %s failed: %s: %s", tasks[t], type(t.exception()).__name__, t.exception())
+
+
+def _quietly(what: str, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("%s failed", what)
 

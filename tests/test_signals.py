@@ -299,6 +299,46 @@ def test_sweep_removes_a_dead_runs_segments_and_keeps_a_live_ones(tmp_path):
                 os.unlink(os.path.join(SHM_DIR, n))
 
 
+# ---------------------------------------------------------------------- the shutdown's bound
+
+
+def test_shutdown_steps_run_concurrently_within_one_deadline_and_never_raise(caplog):
+    """Pipeline.shutdown's steps (controller._settle): concurrent, cut at one deadline, a failure
+    logged rather than raised over the error that caused the shutdown; the caller's cancel still
+    propagates."""
+    import asyncio
+
+    from pipeline.controller import _settle
+
+    ended = []
+
+    async def step(name: str, s: float, fail: bool = False) -> None:
+        await asyncio.sleep(s)
+        if fail:
+            raise RuntimeError(f"{name} broke")
+        ended.append(name)
+
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await _settle({"a": step("a", 0.5), "b": step("b", 0.5), "bad": step("bad", 0.1, fail=True),
+                       "hung": step("hung", 3600)}, t0 + 1.5)
+        return loop.time() - t0
+
+    took = asyncio.run(go())
+    assert 1.4 < took < 2.5 and sorted(ended) == ["a", "b"]  # a and b together, hung cut at the deadline
+    assert "bad failed: RuntimeError: bad broke" in caplog.text and "hung still running" in caplog.text
+
+    async def cancelled() -> None:
+        t = asyncio.ensure_future(_settle({"x": step("x", 3600)}, asyncio.get_running_loop().time() + 3600))
+        await asyncio.sleep(0.1)
+        t.cancel()
+        await t
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled())
+
+
 def test_an_engine_core_dies_with_the_process_that_started_it():
     """vLLM's engine core does not watch its parent; with cleanup.exit_with_parent (called from the
     vLLM plugin) it dies when its parent is SIGKILLed, instead of running on as an orphan."""
