@@ -45,7 +45,7 @@ from pipeline.checkpoint import (Checkpoints, load_controller_state, prepare_res
 from pipeline.config import Config
 from pipeline.metrics import MetricsSink, Progress, plot_summary
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer, model_dir
-from pipeline.procs import kill
+from pipeline.procs import alive, kill
 from pipeline.rollout import RewardScorer, reject_rate_problem
 from pipeline.tasks import RewardRejected, load_task, take
 from pipeline.train_core import TooManySkippedSteps, skipped_step_error
@@ -106,7 +106,6 @@ class Pipeline:
     async def start(self) -> None:
         from monarch.actor import this_host
 
-        from actors.generator import GeneratorActor
         from actors.replay_buffer import ReplayBufferActor
         from actors.trainer import Trainer
 
@@ -170,6 +169,11 @@ class Pipeline:
         self._gen_pids[i] = info["procs"]
         return gen
 
+    def _local(self, i: int) -> bool:
+        """Generator i surely runs on this (the controller's) host, so its recorded pids mean something
+        here: a one-host job (with several, host 0 need not be the controller's)."""
+        return self.num_hosts == 1
+
     def live_generators(self) -> list[tuple[int, Any]]:
         return [(i, g) for i, g in enumerate(self.generators) if g is not None]
 
@@ -211,9 +215,13 @@ class Pipeline:
         """Ask every live generator for its stats: a dead actor fails at once, a dead engine reports
         an error, a slow one times out (three timeouts in a row count as hung)."""
         live = self.live_generators()
+        failed = {}
+        for i, _ in live:  # a proc on this host that is gone is dead now; Monarch may take ~30 s to say so
+            if self._local(i) and self._gen_pids[i] and not alive(self._gen_pids[i][0]):
+                failed[i] = f"its process {self._gen_pids[i][0][0]} died"
+        live = [(i, g) for i, g in live if i not in failed]
         t = self.cfg.generator.health_timeout_s
         res = await asyncio.gather(*[asyncio.wait_for(g.stats.call_one(), t) for _, g in live], return_exceptions=True)
-        failed = {}
         for (i, _), r in zip(live, res):
             if isinstance(r, asyncio.TimeoutError):
                 slow[i] = slow.get(i, 0) + 1
@@ -298,7 +306,7 @@ class Pipeline:
         if procs is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(procs.stop(), 30)
-        killed = kill(self._gen_pids[i])
+        killed = kill(self._gen_pids[i]) if self._local(i) else []
         if killed:
             log.warning("generator%d: killed leftover processes %s", i, killed)
 
