@@ -172,11 +172,11 @@ def test_checkpoint_then_resume_continues_versions_and_prompt_position(tmp_path)
     # run 1's rows up to the checkpoint (a step it trained after its last row has none), then run 2's
     want = [s for s in range(1, k + 3) if s <= min(logged, k) or s > k]
     assert train[-2:] == [(k + 1, k + 1), (k + 2, k + 2)] and [s for s, _ in train] == want, train
-    assert rows[-1]["version/generator"] >= k + 1  # generators were given the checkpoint's weights
-    assert "(step 0) -> " in p.stdout and f"(step {k + 2})" in p.stdout  # the eval curve went on
+    assert rows[-1]["version/generator"] >= k  # generators were given the checkpoint's weights (not version 0)
+    assert "(step 0) -> " in p.stdout and f"(step {k + 2})" in p.stdout, p.stdout  # the eval curve went on
     buf = json.loads((out / "summary.json").read_text())["stats"]["buffer"]
     assert "restored" not in buf["dropped_groups"]
-    assert buf["trained_samples"] == (k + 2) * 2 * 2  # SMALL: 2 groups of 2 per step
+    assert buf["trained_samples"] == (k + 2) * 2 * 2, buf  # SMALL: 2 groups of 2 per step
     assert buf["admitted_samples"] == buf["trained_samples"] + buf["dropped_samples"] + buf["held_samples"]
 
 
