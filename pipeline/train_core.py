@@ -393,6 +393,7 @@ class TrainCore:
         if self.rank == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             state = {"version": self.version, "samples_seen": self.samples_seen, "world": self.world,
+                     "skipped_steps": self.skipped_steps,
                      "scheduler": self.scheduler.state_dict(), "param_groups": groups,
                      "data_state": data_state or {}}
             (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -416,6 +417,7 @@ class TrainCore:
         for g, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             g.update(saved)
         self.version, self.samples_seen = int(state["version"]), int(state["samples_seen"])
+        self.skipped_steps = int(state["skipped_steps"])  # the run's total goes on (trainer/skipped_steps)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scheduler.base_lrs = [self.tcfg.lr] * len(self.optimizer.param_groups)
         for g, lam in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):

@@ -189,6 +189,7 @@ def test_trainer_restores_rng_per_rank_and_takes_the_new_lr(tmp_path):
     a = TrainCore(Config(model=mc, trainer=TrainerConfig(lr=1e-3, warmup_steps=4)))
     a.optimizer.step()  # no gradients: the weights stay; the schedule moves one step into the warm-up
     a.scheduler.step()
+    a.skipped_steps = 2  # the run's total of skipped steps goes on after a resume
     random.seed(123)
     torch.manual_seed(456)
     a.save(tmp_path / "ckpt")
@@ -198,5 +199,5 @@ def test_trainer_restores_rng_per_rank_and_takes_the_new_lr(tmp_path):
     b.load(tmp_path / "ckpt")
     got = (random.random(), torch.rand(3))
     assert got[0] == want[0] and torch.equal(got[1], want[1])
-    assert b.scheduler.last_epoch == 1 and b.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * 2 / 5)
+    assert b.skipped_steps == 2 and b.scheduler.last_epoch == 1 and b.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * 2 / 5)
     assert json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())["version"] == 0
