@@ -64,10 +64,10 @@ class MeshSource:
         return await self._call("admit", self.mesh.admit.call_one(wait_s, self.lessee), wait_s)
 
     async def add(self, rollout: Rollout) -> None:
-        await self._call("add", self.mesh.add.call_one(rollout))
+        await self._call("add", self.mesh.add.call_one(rollout, self.lessee))
 
     async def release(self, group_id: int) -> bool:
-        return await self._call("release", self.mesh.release.call_one(group_id))
+        return await self._call("release", self.mesh.release.call_one(group_id, self.lessee))
 
 
 class GeneratorActor(Actor):

@@ -81,13 +81,13 @@ class ReplayBufferActor(Actor):
         return n
 
     @endpoint
-    async def add(self, rollout: Rollout) -> None:
-        self.core.add(rollout)
+    async def add(self, rollout: Rollout, lessee: tuple[int, int] | None = None) -> None:
+        self.core.add(rollout, lessee)
         await self._notify()
 
     @endpoint
-    async def release(self, group_id: int) -> bool:
-        released = self.core.release(group_id)
+    async def release(self, group_id: int, lessee: tuple[int, int] | None = None) -> bool:
+        released = self.core.release(group_id, lessee)
         await self._notify()
         return released
 

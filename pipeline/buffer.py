@@ -195,8 +195,11 @@ class ReplayBufferCore:
         self._revoked.add(lessee)
         return n
 
-    def release(self, group_id: int) -> bool:
-        """A generator gave up on a group: drop it as "failed". False if it already left flight."""
+    def release(self, group_id: int, lessee: Lessee | None = None) -> bool:
+        """A generator gave up on a group: drop it as "failed". False if it already left flight or is
+        not (any more) leased to `lessee`."""
+        if lessee is not None and self._foreign(group_id, lessee, lessee[0]):
+            return False
         if group_id in self._in_flight:
             if group_id in self._requeued:
                 self._requeued.remove(group_id)
@@ -208,19 +211,26 @@ class ReplayBufferCore:
         return False
 
     # ---- rollouts ----------------------------------------------------------------------------
-    def add(self, rollout: Rollout) -> None:
-        """Store one sample; raises RolloutRejected (a ValueError) and changes nothing if it is bad."""
+    def _foreign(self, group_id: int, lessee: Lessee | None, generator_id: int) -> bool:
+        """The group is in flight but not leased to this sender (its lease was revoked: it was
+        declared dead and the group requeued). `lessee` None: judged by generator id alone."""
+        if group_id not in self._in_flight:
+            return False
+        lease = self._lease.get(group_id)
+        return lease is None or (lease != lessee if lessee is not None else lease[0] != generator_id)
+
+    def add(self, rollout: Rollout, lessee: Lessee | None = None) -> None:
+        """Store one sample from `lessee`; raises RolloutRejected (a ValueError) and changes nothing
+        if it is bad. A sample under a revoked lease is ignored (counted late)."""
+        gid, idx = rollout.group_id, rollout.sample_idx
+        if self._foreign(gid, lessee, rollout.generator_id):
+            self.late_rollouts += 1
+            self.wasted_tokens += len(rollout.completion_tokens)
+            return
         problem = self._problem(rollout)
         if problem is not None:
             self.rejected[problem[0]] += 1
             raise RolloutRejected(*problem)
-        gid, idx = rollout.group_id, rollout.sample_idx
-        lease = self._lease.get(gid)
-        if gid in self._in_flight and (lease is None or lease[0] != rollout.generator_id):
-            # from a generator whose lease was revoked (declared dead, the group requeued elsewhere)
-            self.late_rollouts += 1
-            self.wasted_tokens += len(rollout.completion_tokens)
-            return
         if gid in self._late:
             self.late_rollouts += 1
             self.wasted_tokens += len(rollout.completion_tokens)

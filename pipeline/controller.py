@@ -141,7 +141,9 @@ class Pipeline:
         warm = str(self.warm_dir) if hasattr(self, "warm_dir") else None
         gens = await asyncio.gather(*[self._spawn_generator(i, warm, 0) for i in range(len(self.generators))])
         self.generators[:] = gens
-        self.sync = WeightSync(self.trainer, self.generators, cfg, on_failure=self._report_failure)
+        # A member that fails a push is taken out only while `supervise` runs (it restarts it); without
+        # a supervisor (Session), the push itself fails: never a generator silently left on old weights.
+        self.sync = WeightSync(self.trainer, self.generators, cfg)
         await self.sync.attach(self.trainer_addr)
         log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
                  time.monotonic() - t0, cfg.trainer.num_ranks, len(self.generators), cfg.weight_sync.transport)
@@ -243,6 +245,7 @@ class Pipeline:
         the others keep generating. Raises RunError past generator.max_restarts or on a fatal fault."""
         restarting: dict[int, asyncio.Task] = {}
         slow: dict[int, int] = {}
+        self.sync.on_failure = self._report_failure
         try:
             while True:
                 try:
@@ -262,8 +265,10 @@ class Pipeline:
                     if self.restarts[i] >= self.cfg.generator.max_restarts:
                         raise RunError(f"generator{i} failed and has used its {self.cfg.generator.max_restarts} "
                                        f"restarts (generator.max_restarts): {cause}")
+                    slow.pop(i, None)
                     restarting[i] = asyncio.create_task(self._restart(i, cause), name=f"restart-generator{i}")
         finally:
+            self.sync.on_failure = None
             for t in restarting.values():
                 t.cancel()
             await asyncio.gather(*restarting.values(), return_exceptions=True)
@@ -366,9 +371,8 @@ class Pipeline:
             t1 = time.monotonic()
             if cfg.generator.carry_over == "save":  # CoPRIS stage end: in-flight rollouts become partials
                 # a generator dying meanwhile is the supervisor's business, not this step's
-                await timed("end_stage", asyncio.gather(*[g.end_stage.call_one("save", True)
-                                                          for _, g in self.live_generators()], return_exceptions=True),
-                            cfg.generator.request_timeout_s)
+                await asyncio.gather(*[asyncio.wait_for(g.end_stage.call_one("save", True), cfg.generator.request_timeout_s)
+                                       for _, g in self.live_generators()], return_exceptions=True)
             try:
                 metrics = await self.trainer.train_step(batch)
                 break
@@ -499,10 +503,20 @@ class Pipeline:
         what RL optimises); `eval/reward_greedy` is the greedy completion's reward."""
         items = take(self.task, self.cfg.task.seed, "eval", self.cfg.task.eval_prompts)
         prompts = [i.prompt for i in items]
-        gen, n = self.live_generators()[0][1], self.cfg.generator.max_new_tokens
-        greedy = await timed("generate_eval", gen.generate_eval.call_one(prompts, n))
-        sampled = await timed("generate_eval", gen.generate_eval.call_one(
-            prompts * EVAL_SAMPLES, n, self.cfg.generator.temperature, self.cfg.task.seed))
+        n = self.cfg.generator.max_new_tokens
+        for k, (i, gen) in enumerate(live := self.live_generators()):  # a generator dying meanwhile: the next
+            try:
+                greedy = await timed("generate_eval", gen.generate_eval.call_one(prompts, n))
+                sampled = await timed("generate_eval", gen.generate_eval.call_one(
+                    prompts * EVAL_SAMPLES, n, self.cfg.generator.temperature, self.cfg.task.seed))
+                break
+            except Exception as e:
+                if k == len(live) - 1:
+                    raise
+                log.warning("eval on generator%d failed (%s); trying the next", i, e)
+                self._report_failure(i, e)
+        else:
+            raise RunError("evaluate: no generator is serving (all are being restarted)")
         # Faults stay local: prompts the generator could not serve came back None (skipped), and
         # completions whose reward cannot be used are counted and left out of the mean.
         scorer = RewardScorer(self.task, self.cfg.task.reward_timeout_s, self.cfg.task.reward_workers)
@@ -566,9 +580,9 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
         samples += int(metrics.get("samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
         tokens += int(metrics["batch/tokens"])
         elapsed = time.monotonic() - t_start
-        gens = [g for g in await timed("generator stats", asyncio.gather(
-            *[g.stats.call_one() for _, g in pipe.live_generators()], return_exceptions=True), 60)
-            if not isinstance(g, BaseException)]  # a generator that died is the supervisor's business
+        gens = [g for g in await asyncio.gather(*[asyncio.wait_for(g.stats.call_one(), cfg.generator.health_timeout_s)
+                                                  for _, g in pipe.live_generators()], return_exceptions=True)
+                if not isinstance(g, BaseException)]  # a generator that died is the supervisor's business
         served = min((g["version"] for g in gens), default=pipe.version)  # the oldest weights any generator serves
         metrics.update({
             "throughput/samples_per_s": samples / elapsed, "throughput/trained_tokens_per_s": tokens / elapsed,

@@ -352,20 +352,24 @@ class RolloutEngine:
         if carry_over not in ("keep", "save"):
             raise ValueError(f"end_stage: carry_over={carry_over!r}; allowed: 'keep', 'save'")
         self._admitting = False
-        self._wake.set()
-        if self._loop_task is not None:
-            await asyncio.wait_for(asyncio.shield(self._loop_task), timeout_s)
-        if carry_over == "save" and self._active:
-            self._saving = True
-            await self.engine.abort(list(self._rids.values()))
-            deadline = time.monotonic() + timeout_s
-            while self._active:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"generator {self.gid}: {len(self._active)} requests did not stop "
-                                       f"within {timeout_s:.0f}s of end_stage")
-                await asyncio.sleep(0.01)
-        self.check()
         self._resume_on_update = resume_on_update
+        self._wake.set()
+        try:
+            if self._loop_task is not None:
+                await asyncio.wait_for(asyncio.shield(self._loop_task), timeout_s)
+            if carry_over == "save" and self._active:
+                self._saving = True
+                await self._control(self.engine.abort(list(self._rids.values())), "abort")
+                deadline = time.monotonic() + timeout_s
+                while self._active:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"generator {self.gid}: {len(self._active)} requests did not stop "
+                                           f"within {timeout_s:.0f}s of end_stage")
+                    await asyncio.sleep(0.01)
+        except Exception as e:  # a generator left idle and not broken would never be noticed
+            self._break(RuntimeError(f"end_stage failed: {type(e).__name__}: {e}"))
+            raise
+        self.check()
         return {"carried": len(self._carried), "running": len(self._active), "pending": len(self._pending)}
 
     # ---------------------------------------------------------------- weight updates

@@ -314,6 +314,9 @@ def test_dead_generators_groups_are_requeued_whole_and_accounting_holds():
     assert buf.stats()["late_rollouts"] == 1 and buf.wasted_tokens == 4
     again = buf.take_requeued((2, 0))
     assert again.group_id == b and not buf.has_requeued()
+    # the dead incarnation can neither add to nor release the group it lost
+    buf.add(rollout(b, 0, generator_id=2), lessee=(1, 0))
+    assert not buf.release(b, lessee=(1, 0)) and buf.stats()["late_rollouts"] == 2
     for i in range(2):
         buf.add(rollout(b, i, reward=float(i), generator_id=2))
     fill(buf, a)

@@ -94,8 +94,13 @@ class WeightSync:
             self._host = host
             await self._attach()
 
+    async def _settled(self) -> None:
+        """Wait until no push is in flight, leaving its outcome (an error) to the next start/wait."""
+        if self._task is not None:
+            await asyncio.wait({self._task})
+
     async def _attach(self) -> None:
-        await self.wait()
+        await self._settled()
         live = self.live()
         # collective: one process group over the live generators, ranked by position; the pull
         # transports address generators by index, so a replacement reuses its predecessor's rank
@@ -119,13 +124,17 @@ class WeightSync:
         """Generator i's replacement joins at the next push boundary (it serves an older version until
         the next push reaches it)."""
         async with self._lock:
-            await self.wait()
+            await self._settled()
             self.generators[i] = gen
-            if self.kind == "collective":
-                await self._attach()
-            else:
-                await _bounded(f"generator{i}.attach_weights", gen.attach_weights.call_one(self._handle, i),
-                               self.cfg.weight_sync.timeout_s)
+            try:
+                if self.kind == "collective":
+                    await self._attach()
+                else:
+                    await _bounded(f"generator{i}.attach_weights", gen.attach_weights.call_one(self._handle, i),
+                                   self.cfg.weight_sync.timeout_s)
+            except BaseException:
+                self.generators[i] = None
+                raise
 
     async def start(self, version: int) -> None:
         """Pack v on the trainer and start delivering it; returns once the trainer may step again."""
@@ -139,10 +148,15 @@ class WeightSync:
             self._task = asyncio.create_task(self._deliver(version, t0, packed), name=f"weight-push-v{version}")
 
     async def wait(self) -> float:
-        """Wait for the push in flight (if any); raises its error. Seconds end to end of the last push."""
-        if self._task is not None:
-            task, self._task = self._task, None
-            await task
+        """Wait for the push in flight (if any); raises its error. Seconds end to end of the last push.
+        Cancelling a waiter does not cancel the push (`cancel` does)."""
+        task = self._task
+        if task is not None:
+            try:
+                await asyncio.shield(task)
+            finally:
+                if self._task is task and task.done():
+                    self._task = None
         return self.last.get("total_s", float("nan"))
 
     async def push(self, version: int) -> float:
@@ -158,23 +172,33 @@ class WeightSync:
             self._task.cancel()
 
     async def _deliver(self, version: int, t0: float, packed: float) -> None:
+        try:
+            await self._deliver_to(version, t0, packed)
+        except Exception as e:
+            if self.on_failure is not None:  # the supervisor ends the run now, with this error
+                self.on_failure(None, e)
+            raise
+
+    async def _deliver_to(self, version: int, t0: float, packed: float) -> None:
         ws, g = self.cfg.weight_sync, self.cfg.generator
         members = self.live()
         ok = await _bounded(f"weight push v{version}: stage over {self.kind}", asyncio.gather(
-            *[self._member(i, self._stage(i, gen, version)) for i, gen in members]), ws.timeout_s + 30)
+            *[self._member(i, gen, self._stage(i, gen, version)) for i, gen in members]), ws.timeout_s + 30)
         members = [m for m, good in zip(members, ok) if good]
         staged = time.monotonic()
         apply_timeout = ws.timeout_s + g.request_timeout_s
         if g.rolling:
             for i, gen in members:
-                await self._member(i, self._apply(i, gen, version, apply_timeout))
+                if self.generators[i] is gen:  # not taken out meanwhile
+                    await self._member(i, gen, self._apply(i, gen, version, apply_timeout))
         else:
-            await asyncio.gather(*[self._member(i, self._apply(i, gen, version, apply_timeout)) for i, gen in members])
+            await asyncio.gather(*[self._member(i, gen, self._apply(i, gen, version, apply_timeout))
+                                   for i, gen in members])
         done = time.monotonic()
         self.version = version
         self.last = {"total_s": done - t0, "pack_s": packed - t0, "stage_s": staged - packed, "apply_s": done - staged}
 
-    async def _member(self, i: int, aw) -> bool:
+    async def _member(self, i: int, gen: Any, aw) -> bool:
         """One generator's part of a push: True if it succeeded; a failure takes the generator out
         (and goes to its supervisor) when there is one, else fails the push. `detach(i)` cancels it."""
         part = self._parts[i] = asyncio.ensure_future(aw)
@@ -189,16 +213,20 @@ class WeightSync:
         except Exception as e:
             if self.on_failure is None:
                 raise
-            self.detach(i)
-            self.on_failure(i, e)
+            if self.generators[i] is gen:  # a report about a replaced generator is stale
+                self.detach(i)
+                self.on_failure(i, e)
             return False
         finally:
             if self._parts.get(i) is part:
                 del self._parts[i]
 
     async def _stage(self, i: int, gen: Any, version: int) -> None:
-        try:
-            await gen.stage_weights.call_one(version)
+        try:  # bounded per member, so one hung generator is taken out instead of failing the push
+            await _bounded(f"generator{i}.stage_weights({version})", gen.stage_weights.call_one(version),
+                           self.cfg.weight_sync.timeout_s + 5)
+        except SyncError:
+            raise
         except Exception as e:
             raise SyncError(f"generator{i}: staging weight version {version} over {self.kind} failed: {e}") from e
 
