@@ -89,6 +89,7 @@ class Pipeline:
         self._procs: list[Any] = []
         self.sync: WeightSync | None = None
         self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host (set by start)
+        self.num_hosts = 1  # hosts of the job (set by start)
         n = cfg.generator.num_generators
         self.generators: list[Any] = [None] * n  # generator i's actor; None while it is restarted
         self._gen_procs: list[Any] = [None] * n
