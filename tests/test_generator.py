@@ -44,19 +44,19 @@ class QueueSource(Actor):
         self.items.extend(items)
 
     @endpoint
-    async def admit(self, wait_s: float, generator_id: int = 0) -> PromptGroup | None:
+    async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
         if not self.items:
             await asyncio.sleep(min(wait_s, 0.05))
             return None
         return PromptGroup(next(self.next_id), self.items.popleft(), GROUP, admitted_version=0)
 
     @endpoint
-    async def add(self, rollout) -> None:
+    async def add(self, rollout, lessee=None) -> None:
         rollout.validate()
         self.rollouts.append(rollout)
 
     @endpoint
-    async def release(self, group_id: int) -> bool:
+    async def release(self, group_id: int, lessee=None) -> bool:
         self.released.append(group_id)
         return True
 
@@ -199,7 +199,9 @@ def test_in_flight_stays_at_n_prime_while_prompts_remain(env):
         await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
         samples = []
         served = await serve_checkpoint(gen, v, "keep")
+        deadline = time.monotonic() + 120
         while (s := await gen.stats.call_one())["groups"] < 12 or s["pending"] > 0:
+            assert s["error"] is None and time.monotonic() < deadline, s["error"] or "12 groups not admitted in 120s"
             if s["pending"] > 0:
                 samples.append(s["in_flight"])
             await asyncio.sleep(0.01)

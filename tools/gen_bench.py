@@ -45,7 +45,7 @@ class ListSource(Actor):
         self.count = self.tokens = 0
 
     @endpoint
-    async def admit(self, wait_s: float) -> PromptGroup | None:
+    async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
         if not self.items:
             await asyncio.sleep(min(wait_s, 0.05))
             return None
@@ -53,12 +53,12 @@ class ListSource(Actor):
         return PromptGroup(self.next_id, self.items.popleft(), self.group_size, admitted_version=0)
 
     @endpoint
-    async def add(self, rollout) -> None:
+    async def add(self, rollout, lessee=None) -> None:
         self.count += 1
         self.tokens += len(rollout.completion_tokens)
 
     @endpoint
-    async def release(self, group_id: int) -> bool:
+    async def release(self, group_id: int, lessee=None) -> bool:
         return True
 
     @endpoint
