@@ -15,27 +15,36 @@ Extra `key=value` arguments override the config.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.controller import run  # noqa: E402
 from pipeline.metrics import read_jsonl  # noqa: E402
 
 
 def measure(mode: str, args, out: Path) -> dict:
-    cfg = load_config(args.config, [
+    overrides = [
         "task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", f"generator.max_new_tokens={args.max_tokens}",
         f"buffer.batch_groups={args.batch_groups}", f"buffer.group_size={args.group_size}",
-        f"run.steps={args.steps}", "run.eval_every=0", "run.warm_start_steps=0", f"run.mode={mode}",
-        f"run.out_dir={out / mode}", *args.overrides])
+        f"run.steps={args.steps}", "run.eval_every=0", "run.warm_start_steps=0", "run.checkpoint_every=0",
+        "run.progress=false", f"run.mode={mode}", f"run.out_dir={out / mode}", *args.overrides]
+    load_config(args.config, overrides)  # a bad override fails here, before any run
     print(f"[pipeline_bench] {mode}: {args.steps} steps, B={args.batch_groups}, G={args.group_size}, "
           f"lengths lognormal capped at {args.max_tokens}", flush=True)
-    summary = asyncio.run(run(cfg))
+    # the CLI, so each mode is a whole run with its own start, shutdown and cleanup
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"{mode}.log"
+    with open(log, "w") as f:
+        code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", args.config, *overrides],
+                              cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"the {mode} run exited with {code}; see {log}")
+    summary = json.loads((out / mode / "summary.json").read_text())
     rows = [r for r in read_jsonl(out / mode / "metrics.jsonl") if "version/trainer" in r]
     # skip the first step: it includes the engines' first-batch warm-up in both modes
     rows = rows[1:] if len(rows) > 1 else rows
