@@ -25,6 +25,12 @@ def _stat(pid: int) -> tuple[int, int, str] | None:
     return int(fields[1]), int(fields[19]), fields[0]
 
 
+def parent(pid: int) -> int | None:
+    """The parent pid of a live (not zombie) process, or None if it is gone."""
+    st = _stat(pid)
+    return st[0] if st is not None and st[2] != "Z" else None
+
+
 def me() -> Proc:
     pid = os.getpid()
     return pid, _stat(pid)[1]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import procs
+
 from .conftest import REPO
 
 SMALL = ["run.steps=3", "run.eval_every=0", "run.progress=false", "buffer.batch_groups=2", "buffer.group_size=2",
@@ -65,29 +67,11 @@ def test_torchrun_two_ranks_run_the_same_job_with_two_generators(tmp_path):
 
 
 def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
+    return {p for p, _ in procs.descendants(pid)}
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return procs.parent(pid) is not None
 
 
 def test_session_steps_the_pipeline_by_hand(tmp_path):

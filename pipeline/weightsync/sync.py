@@ -70,7 +70,6 @@ class WeightSync:
                  on_failure: Callable[[int, BaseException], None] | None = None) -> None:
         self.trainer, self.generators, self.cfg = trainer, list(generators), cfg
         self.on_failure = on_failure
-        self.version: int | None = None  # the last version delivered
         self._host = "127.0.0.1"
         self._handle = None
         self._rewire = False  # collective: a member left, so the group must be rebuilt before the next push
@@ -163,10 +162,6 @@ class WeightSync:
         await self.start(version)
         return await self.wait()
 
-    @property
-    def in_flight(self) -> bool:
-        return self._task is not None and not self._task.done()
-
     def cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -195,7 +190,6 @@ class WeightSync:
             await asyncio.gather(*[self._member(i, gen, self._apply(i, gen, version, apply_timeout))
                                    for i, gen in members])
         done = time.monotonic()
-        self.version = version
         self.last = {"total_s": done - t0, "pack_s": packed - t0, "stage_s": staged - packed, "apply_s": done - staged}
 
     async def _member(self, i: int, gen: Any, aw) -> bool:
