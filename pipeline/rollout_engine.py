@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -397,9 +398,10 @@ class RolloutEngine:
                 await self._control(self.engine.pause_generation(mode="abort", clear_cache=True), "pause")
             else:
                 self._gate.clear()
-                await asyncio.wait_for(self.engine.pause_generation(mode="wait", clear_cache=True),
-                                       self.g.request_timeout_s)
-            await load()
+                await self._control(self.engine.pause_generation(mode="wait", clear_cache=True), "drain",
+                                    self.g.request_timeout_s, "generator.request_timeout_s")
+            # the load has its own bound (weight_sync.timeout_s); a dead engine would leave it waiting for it
+            await self._control(load(), "weight load", math.inf, "weight_sync.timeout_s")
             await self._control(self.engine.update_weight_version(str(version)), "version label")
             await self._control(self.engine.resume_generation(), "resume")
         except BaseException as e:
@@ -414,11 +416,13 @@ class RolloutEngine:
             self.begin_stage(self.source)
         return version
 
-    async def _control(self, aw, what: str):
-        """An engine control call (pause, resume, version label), bounded by generator.call_timeout_s;
-        fails within a second when the engine core dies meanwhile (such a call never returns)."""
+    async def _control(self, aw, what: str, timeout_s: float | None = None, key: str = "generator.call_timeout_s"):
+        """An engine call (pause, resume, version label, weight load), bounded by timeout_s (default
+        generator.call_timeout_s); fails within a second when the engine core dies meanwhile (such a
+        call never returns)."""
         call = asyncio.ensure_future(aw)
-        deadline = time.monotonic() + self.g.call_timeout_s
+        timeout_s = self.g.call_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while not call.done():
             await asyncio.wait({call}, timeout=ENGINE_WATCH_S)
             if call.done():
@@ -428,8 +432,7 @@ class RolloutEngine:
                 raise GeneratorBroken(f"generator {self.gid}: engine {what}: the vLLM engine core died")
             if time.monotonic() > deadline:
                 call.cancel()
-                raise TimeoutError(f"generator {self.gid}: engine {what} did not answer within "
-                                   f"{self.g.call_timeout_s:.0f}s (generator.call_timeout_s)")
+                raise TimeoutError(f"generator {self.gid}: engine {what} did not answer within {timeout_s:.0f}s ({key})")
         return call.result()
 
     # ---------------------------------------------------------------- eval and stats

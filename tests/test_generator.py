@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 import time
 from collections import deque
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from monarch.actor import Actor, endpoint, this_host
 from actors.generator import GeneratorActor
 from pipeline.config import Config, GeneratorConfig, ModelConfig, TinyModelConfig
 from pipeline.model import build_model, ensure_tiny_assets, token_logprobs
+from pipeline.procs import descendants
 from pipeline.tasks import load_task, take
 from pipeline.types import PromptGroup, PromptItem
 
@@ -384,3 +388,43 @@ def test_feeds_the_real_replay_buffer(env):
     mask = batch.loss_mask.bool()
     assert (batch.versions[mask] == version).all() and (batch.behaviour_logprobs[mask] < 0).all()
     assert int(mask.sum()) == batch.num_samples * MAX_NEW
+
+
+def test_engine_core_killed_during_a_weight_apply_fails_it_within_seconds(env):
+    """Runs last: it kills the module's engine. An engine call in flight when the core dies never
+    returns; the apply (pause, load, label, resume) must fail within seconds naming the dead engine,
+    not after weight_sync.timeout_s, and the generator must report itself broken."""
+    from pipeline.config import WeightSyncConfig
+    from pipeline.model import load_hf_state_dict
+    from pipeline.weightsync import WeightSender
+
+    loop, gen, _, _ = env
+    cores = [p for p, _ in descendants(os.getpid())
+             if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(cores) == 1, cores
+    version = now(loop, gen) + 1
+    sd = load_hf_state_dict(ckpt(version))
+    sender = WeightSender(WeightSyncConfig(transport="shm", timeout_s=600), sd, num_receivers=1)
+
+    async def go() -> tuple[BaseException | None, float]:
+        await gen.attach_weights.call_one(sender.handle(), 0)
+        await sender.push(sd, version)
+        await gen.stage_weights.call_one(version)
+        os.kill(cores[0], signal.SIGSTOP)  # every engine call now hangs, as on a dead core
+        apply = asyncio.ensure_future(gen.apply_weights.call_one(version, "keep"))
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(cores[0], signal.SIGKILL)
+        try:
+            await asyncio.wait_for(apply, 60)
+        except Exception as e:
+            return e, time.monotonic() - t0
+        return None, time.monotonic() - t0
+
+    try:
+        err, took = loop.run_until_complete(go())
+    finally:
+        sender.close()
+    assert err is not None and "engine" in str(err) and "died" in str(err), err
+    assert took < 10, f"the apply failed {took:.1f}s after the engine core died"
+    assert "died" in loop.run_until_complete(gen.stats.call_one())["error"]
