@@ -98,6 +98,11 @@ class TrainerActor(Actor):
         return self._c().version
 
     @endpoint
+    async def set_reference(self) -> bool:
+        """The current weights become the KL reference (False: trainer.kl_coef = 0, no reference)."""
+        return self._c().set_reference()
+
+    @endpoint
     async def save(self, path: str, data_state: dict | None = None) -> str:
         return self._c().save(path, data_state)
 
@@ -191,6 +196,9 @@ class Trainer:
 
     async def version(self) -> int:
         return await self.call_all("version")
+
+    async def set_reference(self) -> bool:
+        return await self.call_all("set_reference")
 
     async def save(self, path: str, data_state: dict | None = None) -> str:
         return await self.call_all("save", str(path), data_state)

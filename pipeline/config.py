@@ -183,7 +183,9 @@ class BufferConfig:
     normalize_std: bool = True
     """Divide group-relative advantages by the group's reward std."""
     zero_signal: str = "keep"
-    """Groups whose rewards are all equal: keep (zero advantage) | drop (counted)."""
+    """Groups whose rewards are all equal (no learning signal under group-relative advantages):
+    keep (trained at zero advantage) | drop (DAPO dynamic sampling: not trained, counted as dropped
+    zero_signal, and admission replaces them so batches fill with groups that carry signal)."""
     batch_timeout_s: float = 600.0
     """Seconds the trainer waits for a batch before the run fails."""
 
@@ -240,7 +242,20 @@ class TrainerConfig:
     aggregation: str = "token_mean"
     """Loss aggregation: token_mean | seq_mean."""
     kl_coef: float = 0.0
-    """KL penalty to the initial policy (>= 0; 0 disables it)."""
+    """KL penalty to the reference policy (>= 0; 0 disables it): the policy after the supervised
+    warm start (run.warm_start_steps), else the initial checkpoint. Holds the policy near a
+    starting point that already behaves, against entropy and length collapse."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts this times the mean token entropy of π_θ (>= 0). With
+    entropy_target > 0 it is only the starting value of an adaptive coefficient."""
+    entropy_target: float = 0.0
+    """Adaptive entropy bonus (0 disables it): after each step the coefficient moves by
+    entropy_adapt_rate · (entropy_target − the batch's mean entropy), clamped to [0, entropy_coef_max],
+    so it rises only while the policy's entropy is under the target (nats per token)."""
+    entropy_adapt_rate: float = 0.01
+    """Step size of the adaptive entropy coefficient per nat of entropy below/above the target (> 0)."""
+    entropy_coef_max: float = 0.05
+    """Upper bound of the adaptive entropy coefficient (>= entropy_coef)."""
     kl_estimator: str = "k3"
     """KL estimator: k1 | k3."""
     micro_batch_size: int = 0
@@ -277,6 +292,11 @@ class TrainerConfig:
         _check(self.mis_high > 1, "trainer.mis_high", self.mis_high, "> 1")
         _choice("trainer.aggregation", self.aggregation, ("token_mean", "seq_mean"))
         _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
+        _check(self.entropy_coef >= 0, "trainer.entropy_coef", self.entropy_coef, ">= 0")
+        _check(self.entropy_target >= 0, "trainer.entropy_target", self.entropy_target, ">= 0 (0: off)")
+        _check(self.entropy_adapt_rate > 0, "trainer.entropy_adapt_rate", self.entropy_adapt_rate, "> 0")
+        _check(self.entropy_coef_max >= self.entropy_coef, "trainer.entropy_coef_max", self.entropy_coef_max,
+               f">= trainer.entropy_coef ({self.entropy_coef})")
         _choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
         _check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, ">= 0")
@@ -352,6 +372,12 @@ class RunConfig:
     last one when the run fails or is interrupted; 0 saves none."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept in out_dir/checkpoints, the newest (>= 0; 0 keeps all)."""
+    collapse_entropy: float = 0.05
+    """Collapse warning: the policy's mean token entropy (nats) under this ... (0 disables)."""
+    collapse_length: float = 1.5
+    """... or the mean response length (tokens, EOS included) under this ... (0 disables)."""
+    collapse_patience: int = 20
+    """... for this many steps in a row logs a warning naming the knobs to turn (>= 1)."""
     resume: str = ""
     """Continue from a checkpoint (its step + 1 up to run.steps): 'latest' (the newest complete one
     under out_dir/checkpoints) or a step_N directory. It must match this config's model shape,
@@ -363,6 +389,9 @@ class RunConfig:
         _check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, ">= 0")
+        _check(self.collapse_entropy >= 0, "run.collapse_entropy", self.collapse_entropy, ">= 0 (0: off)")
+        _check(self.collapse_length >= 0, "run.collapse_length", self.collapse_length, ">= 0 (0: off)")
+        _check(self.collapse_patience >= 1, "run.collapse_patience", self.collapse_patience, ">= 1")
         _check(self.keep_checkpoints >= 0, "run.keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
         if self.resume and self.resume != "latest":  # 'latest' is resolved by load_config
             from pipeline.checkpoint import incomplete

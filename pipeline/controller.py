@@ -43,6 +43,7 @@ import torch
 from pipeline.checkpoint import (Checkpoints, load_controller_state, prepare_resume, read_marker, rng_state,
                                  save_controller_state, set_rng_state)
 from pipeline.config import Config
+from pipeline.health import CollapseWatch, batch_health
 from pipeline.metrics import MetricsSink, Progress, plot_summary
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer, model_dir
 from pipeline.procs import alive, kill
@@ -343,6 +344,8 @@ class Pipeline:
             loss = (await self.trainer.sft_step(ids, mask))["loss"]
         self.warm_dir = Path(self.cfg.run.out_dir) / "warm_start"
         await self.trainer.export_hf(str(self.warm_dir))
+        if await self.trainer.set_reference():
+            log.info("warm start: the KL reference (trainer.kl_coef) is the warm-started policy")
         log.info("warm start: %d supervised steps on demonstrations, final loss %.4f", steps, loss)
         return {"warm_start/loss": loss, "warm_start/steps": steps}
 
@@ -399,7 +402,7 @@ class Pipeline:
             "reward/mean": float(batch.rewards.mean()), "staleness/mean": float(stale.mean()),
             "staleness/max": float(stale.max()), "version/trainer": self.version, "time/batch_wait_s": t1 - t0,
             "time/train_s": t2 - t1, "trainer/idle_frac": (t1 - t0) / max(t2 - t0, 1e-9),
-            "batch/tokens": batch.num_tokens,
+            "batch/tokens": batch.num_tokens, **batch_health(batch),
         })
         return metrics
 
@@ -560,7 +563,8 @@ def rejected_metrics(gens: list[dict]) -> dict[str, float]:
 def buffer_metrics(buf: dict) -> dict[str, float]:
     """The buffer's per-step metrics: Δ, drops and wasted tokens (every mode reports them)."""
     return {"buffer/delta": float(buf["delta"]), "buffer/dropped_samples": float(buf["dropped_samples"]),
-            "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"])}
+            "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"]),
+            "buffer/zero_signal_groups": float(buf["zero_signal_groups"])}
 
 
 # ---------------------------------------------------------------------- the job
@@ -576,8 +580,11 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
         sink.log(first_step - 1, ev)
     t_start = time.monotonic()
     samples = tokens = 0
+    watch = CollapseWatch(cfg.run.collapse_entropy, cfg.run.collapse_length, cfg.run.collapse_patience)
     for step in range(first_step, cfg.run.steps + 1):
         metrics = await pipe.step()
+        if (msg := watch.update(step, metrics)) is not None:
+            log.warning(msg)
         samples += int(metrics.get("samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
         tokens += int(metrics["batch/tokens"])
         elapsed = time.monotonic() - t_start
@@ -608,6 +615,7 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
     await pipe.sync.wait()
     elapsed = max(time.monotonic() - t_start, 1e-9)
     summary.update({"steps": cfg.run.steps - first_step + 1, "version": pipe.version, "elapsed_s": elapsed,
+                    "collapsed_steps": watch.steps_collapsed,
                     "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed, "eval_curve": eval_curve})
     return summary
 

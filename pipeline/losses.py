@@ -18,6 +18,7 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
     s'  = max(s, c·A) if A < 0 and c > 0      dual clip (c = dual_clip): bounds the objective of a
           else s                              negative-advantage token whose r ran far above 1
     ℓ   = −w · s'                             per token, plus kl_coef · KL(π_θ ‖ π_ref)
+                                              minus entropy_coef · H(π_θ(· | prefix))
 
     none        w = 1
     tis         w = min(ρ, C)
@@ -98,10 +99,14 @@ def policy_loss(
     cfg: TrainerConfig,
     ref: torch.Tensor | None = None,
     denominators: tuple[float, float] | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss (scalar, differentiable through `logp`) and per-shard *sums* for metrics.
+    """Loss (scalar, differentiable through `logp` and `entropy`) and per-shard *sums* for metrics.
 
     `denominators` = (global token count, global sequence count); defaults to this shard's.
+    `entropy` [N, T-1]: per-token entropy of π_θ (`token_entropy`), rewarded with `entropy_coef`
+    (the caller's current coefficient: fixed, or adapted by `adapt_entropy_coef`).
     The returned sums are detached: `clip_tokens` (tokens where the clipped branch is active),
     `dual_clip_tokens` (negative-advantage tokens held at c·A by the dual clip), `is_clip_tokens`
     (tokens the correction truncated or dropped), `kl_sum`, `tokens`.
@@ -128,6 +133,8 @@ def policy_loss(
     if ref is not None and cfg.kl_coef > 0:
         kl = kl_penalty(logp, ref.detach(), cfg.kl_estimator)
         per_token = per_token + cfg.kl_coef * kl
+    if entropy is not None and entropy_coef > 0:
+        per_token = per_token - entropy_coef * entropy
     loss = aggregate(per_token, mask, cfg.aggregation, n_tok, n_seq)
     with torch.no_grad():
         clip_active = (clipped * adv < ratio * adv) & (mask > 0)
@@ -205,9 +212,22 @@ def finalize_mismatch(s: dict[str, float]) -> dict[str, float]:
     }
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy [N, T-1] of softmax(logits), differentiable (the entropy bonus)."""
+    logz = torch.log_softmax(logits.float(), dim=-1)
+    return -(logz.exp() * logz).sum(dim=-1)
+
+
+def adapt_entropy_coef(coef: float, entropy: float, cfg: TrainerConfig) -> float:
+    """The adaptive entropy coefficient after a step whose mean token entropy was `entropy`: it
+    moves by entropy_adapt_rate · (entropy_target − entropy) within [0, entropy_coef_max]; with
+    entropy_target = 0 it stays `coef`. A non-finite entropy leaves it unchanged."""
+    if cfg.entropy_target <= 0 or entropy != entropy or abs(entropy) == float("inf"):
+        return coef
+    return min(max(coef + cfg.entropy_adapt_rate * (cfg.entropy_target - entropy), 0.0), cfg.entropy_coef_max)
+
+
 def token_entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Σ over loss tokens of the entropy of π_θ(· | prefix); logits [N, T-1, V] already shifted."""
     with torch.no_grad():
-        logz = torch.log_softmax(logits.float(), dim=-1)
-        ent = -(logz.exp() * logz).sum(dim=-1)
-        return (ent * mask).sum().double()
+        return (token_entropy(logits) * mask).sum().double()

@@ -111,6 +111,9 @@ SUMMARY_PANELS = [
     ("weight sync latency (s)", ["sync/latency_s"]),
     ("throughput", ["throughput/samples_per_s"]),
     ("trainer idle fraction", ["trainer/idle_frac"]),
+    ("policy entropy (nats/token)", ["entropy"]),
+    ("response length (tokens)", ["response/length_mean", "response/length_min"]),
+    ("groups without signal", ["groups/zero_variance_frac", "collapse/active"]),
 ]
 
 
@@ -122,7 +125,7 @@ def plot_summary(jsonl: str | Path, out_png: str | Path, title: str = "") -> Pat
     import matplotlib.pyplot as plt
 
     rows = read_jsonl(jsonl)
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    fig, axes = plt.subplots(3, 3, figsize=(14, 10))
     for ax, (name, keys) in zip(axes.flat, SUMMARY_PANELS):
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if _scalar(r.get(k)) is not None]

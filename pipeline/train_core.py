@@ -27,6 +27,7 @@ minibatch size (an empty one runs a zero-weighted row), so FSDP collectives alwa
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ from pipeline.config import Config
 from pipeline.model import build_model, export_hf, model_dir, read_hf_config, save_hf_checkpoint
 from pipeline.train_checks import BadBatchError, EmptyBatchError, check_batch, check_sft
 from pipeline.types import Batch
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -114,9 +117,10 @@ class TrainCore:
             self.mesh = init_device_mesh(self.tcfg.device, (world,), mesh_dim_names=("fsdp",))
         self.model, self.adapter = self._build(dtype)
         self.ref_model = None
-        if self.tcfg.kl_coef > 0:  # frozen initial policy for the KL penalty
+        if self.tcfg.kl_coef > 0:  # frozen reference for the KL penalty: initial policy until set_reference
             self.ref_model, _ = self._build(dtype)
             self.ref_model.requires_grad_(False)
+        self.entropy_coef = self.tcfg.entropy_coef  # adapted after each step when trainer.entropy_target > 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr,
                                            weight_decay=self.tcfg.weight_decay)
         warm = self.tcfg.warmup_steps
@@ -221,12 +225,14 @@ class TrainCore:
             return mean(lambda s: s[key] / max(s["tokens"], 1.0))
 
         mm = losses.finalize_mismatch({k[3:]: v for k, v in once.items() if k.startswith("mm_")})
+        entropy, coef = once["entropy_sum"] / max(tok, 1.0), self.entropy_coef
+        self.entropy_coef = losses.adapt_entropy_coef(coef, entropy, self.tcfg)  # same on every rank
         return {"loss": mean(lambda s: s["loss"]), "grad_norm": mean(lambda s: s["grad_norm"]),
                 "lr": steps[0]["lr"], "version": float(self.version), "tokens": tok,
                 "samples": float(batch.num_samples), "optimizer_steps": float(len(steps)),
                 "clip_frac": frac("clip_tokens"), "dual_clip_frac": frac("dual_clip_tokens"),
                 "is_clip_frac": frac("is_clip_tokens"), "kl_ref": frac("kl_sum"),
-                "entropy": once["entropy_sum"] / max(tok, 1.0),
+                "entropy": entropy, "entropy_coef": coef,
                 "staleness_mean": float(batch.staleness().float().mean()), **mm}
 
     def _record_proximal(self, prox: "_Proximal", batch: Batch, rows: torch.Tensor, keep: float,
@@ -261,8 +267,10 @@ class TrainCore:
             if first:
                 self._record_proximal(prox, batch, rows, keep, ids, logp, logits)
             ref = prox.ref[rows] if prox.ref is not None else None
+            ent = losses.token_entropy(logits) if self.entropy_coef > 0 else None
             loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, batch.advantages[rows].to(self.device),
-                                             self.tcfg, ref=ref, denominators=den)
+                                             self.tcfg, ref=ref, denominators=den, entropy=ent,
+                                             entropy_coef=self.entropy_coef)
             (loss * self.world).backward()
             for k, v in {"loss": loss.detach().double(), **stats}.items():
                 sums[k] = sums.get(k, 0) + v.detach().cpu().double()
@@ -339,6 +347,16 @@ class TrainCore:
             out["mm_mismatch_max"] = float(mx)
         return out
 
+    def set_reference(self) -> bool:
+        """Make the current weights the KL reference (after the supervised warm start); False when
+        there is no reference (trainer.kl_coef = 0)."""
+        if self.ref_model is None:
+            return False
+        with torch.no_grad():
+            for r, p in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
+                r.copy_(p)
+        return True
+
     # ------------------------------------------------------------------ weights out
 
     def hf_meta(self) -> dict[str, torch.Tensor]:
@@ -366,8 +384,10 @@ class TrainCore:
         if self.distributed:
             dist.barrier()
 
-    def _dcp_state(self) -> dict[str, torch.Tensor]:
-        """Parameters and AdamW moments by parameter name (DTensor shards under FSDP). Raw
+    def _dcp_state(self, with_ref: bool) -> dict[str, torch.Tensor]:
+        """Parameters and AdamW moments by parameter name (DTensor shards under FSDP), and the KL
+        reference's parameters when `with_ref` (it may be the warm-start policy, not the checkpoint the
+        run started from). Raw
         `named_parameters`, not `state_dict()`: torchtitan's fused-QKV state-dict hooks rename keys,
         which torch's get_state_dict cannot map back to parameters."""
         out: dict[str, torch.Tensor] = {}
@@ -379,6 +399,8 @@ class TrainCore:
                           exp_avg_sq=torch.zeros_like(p.detach()))
             for k, v in st.items():
                 out[f"optim.{name}.{k}"] = v
+        if with_ref:
+            out.update({f"ref.{name}": p.detach() for name, p in self.ref_model.named_parameters()})
         return out
 
     def save(self, path: str | Path, data_state: dict | None = None) -> str:
@@ -388,12 +410,13 @@ class TrainCore:
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
-        dcp.save(self._dcp_state(), checkpoint_id=str(path))
+        dcp.save(self._dcp_state(self.ref_model is not None), checkpoint_id=str(path))
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             state = {"version": self.version, "samples_seen": self.samples_seen, "world": self.world,
-                     "skipped_steps": self.skipped_steps,
+                     "skipped_steps": self.skipped_steps, "entropy_coef": self.entropy_coef,
+                     "has_ref": self.ref_model is not None,
                      "scheduler": self.scheduler.state_dict(), "param_groups": groups,
                      "data_state": data_state or {}}
             (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -412,12 +435,21 @@ class TrainCore:
         if not meta.is_file():
             raise FileNotFoundError(f"trainer: {meta} missing; {path} is not a trainer checkpoint")
         state = json.loads(meta.read_text())
+        with_ref = self.ref_model is not None and state.get("has_ref", False)
+        if self.ref_model is not None and not with_ref:
+            log.warning("trainer: %s holds no KL reference (saved with trainer.kl_coef=0); the reference "
+                        "is the checkpoint's policy from here on", path)
         with torch.no_grad():
-            dcp.load(self._dcp_state(), checkpoint_id=str(path))
+            dcp.load(self._dcp_state(with_ref), checkpoint_id=str(path))
+            if self.ref_model is not None and not with_ref:
+                self.set_reference()
         for g, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             g.update(saved)
         self.version, self.samples_seen = int(state["version"]), int(state["samples_seen"])
         self.skipped_steps = int(state["skipped_steps"])  # the run's total goes on (trainer/skipped_steps)
+        # an adapted coefficient goes on; a changed trainer.entropy_coef without a target takes the new value
+        self.entropy_coef = float(state.get("entropy_coef", self.tcfg.entropy_coef)) \
+            if self.tcfg.entropy_target > 0 else self.tcfg.entropy_coef
         self.scheduler.load_state_dict(state["scheduler"])
         self.scheduler.base_lrs = [self.tcfg.lr] * len(self.optimizer.param_groups)
         for g, lam in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):

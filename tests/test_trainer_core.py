@@ -173,6 +173,45 @@ def test_kl_penalty_to_initial_policy_is_reported(cfg):
     assert core.train_step(b)["kl_ref"] > 0  # k3 >= 0 and the policy has moved
 
 
+def test_kl_reference_is_the_warm_started_policy_and_survives_a_checkpoint(cfg, tmp_path):
+    """set_reference (after the warm start) re-anchors the KL; a checkpoint keeps that reference, so a
+    resumed run does not fall back to the initial checkpoint's policy."""
+    tc = TrainerConfig(lr=1e-2, kl_coef=0.1)
+    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    b = make_batch(core.model)
+    for _ in range(3):
+        core.sft_step(b.input_ids, b.loss_mask)  # the warm start moves the policy
+    b = make_batch(core.model)  # μ = the warm-started policy
+    assert core.train_step(b)["kl_ref"] > 1e-4  # still anchored to the initial policy
+    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    for _ in range(3):
+        core.sft_step(b.input_ids, b.loss_mask)
+    assert core.set_reference()
+    b = make_batch(core.model)
+    assert core.train_step(b)["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    ref = {k: v.clone() for k, v in core.ref_model.state_dict().items()}
+    core.save(tmp_path / "ckpt")
+    fresh = TrainCore(Config(model=cfg.model, trainer=tc))
+    fresh.load(tmp_path / "ckpt")
+    assert same(ref, {k: v for k, v in fresh.ref_model.state_dict().items()})
+    assert not same(ref, {k: v.detach() for k, v in TrainCore(Config(model=cfg.model, trainer=tc)).ref_model.state_dict().items()})
+
+
+def test_adaptive_entropy_coefficient_steps_and_is_checkpointed(cfg, tmp_path):
+    tc = TrainerConfig(lr=1e-3, entropy_coef=0.001, entropy_target=100.0, entropy_adapt_rate=1e-4,
+                       entropy_coef_max=0.5)
+    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    b = make_batch(core.model)
+    m1 = core.train_step(b)
+    m2 = core.train_step(b)
+    assert m1["entropy_coef"] == 0.001  # the coefficient the step used
+    assert m2["entropy_coef"] == pytest.approx(0.001 + 1e-4 * (100.0 - m1["entropy"]))
+    core.save(tmp_path / "ckpt")
+    fresh = TrainCore(Config(model=cfg.model, trainer=tc))
+    fresh.load(tmp_path / "ckpt")
+    assert fresh.entropy_coef == core.entropy_coef > m2["entropy_coef"]
+
+
 def test_micro_batches_accumulate_to_the_full_batch_step(cfg):
     full = TrainCore(cfg)
     micro = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, micro_batch_size=4)))
