@@ -90,8 +90,8 @@ class TrainerActor(Actor):
         return self._c().train_step(batch)
 
     @endpoint
-    async def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
-        return self._c().sft_step(input_ids, loss_mask)
+    async def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lr: float | None = None) -> dict[str, float]:
+        return self._c().sft_step(input_ids, loss_mask, lr)
 
     @endpoint
     async def version(self) -> int:
@@ -191,8 +191,8 @@ class Trainer:
     async def train_step(self, batch: Batch) -> dict[str, float]:
         return await self.call_all("train_step", batch)
 
-    async def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
-        return await self.call_all("sft_step", input_ids, loss_mask)
+    async def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lr: float | None = None) -> dict[str, float]:
+        return await self.call_all("sft_step", input_ids, loss_mask, lr)
 
     async def version(self) -> int:
         return await self.call_all("version")

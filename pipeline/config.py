@@ -362,6 +362,9 @@ class RunConfig:
     """Metrics (JSONL, TensorBoard), plots and the final HF checkpoint go here."""
     warm_start_steps: int = 0
     """Supervised warm-start steps on task demonstrations before RL (reported as such), 0 disables."""
+    warm_start_lr: float = 0.0
+    """Learning rate of the warm-start steps (0: trainer.lr). Supervised steps on demonstrations take
+    a larger rate than RL steps on the policy's own samples."""
     eval_every: int = 5
     """Score held-out prompts every this many steps (0 disables)."""
     progress: bool = True
@@ -387,6 +390,7 @@ class RunConfig:
         _choice("run.mode", self.mode, ("async", "sync"))
         _check(0 <= self.steps <= 10_000_000, "run.steps", self.steps, "0..10000000")
         _check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
+        _check(0 <= self.warm_start_lr <= 1, "run.warm_start_lr", self.warm_start_lr, "0 (trainer.lr) .. 1")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         _check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, ">= 0")
         _check(self.collapse_entropy >= 0, "run.collapse_entropy", self.collapse_entropy, ">= 0 (0: off)")

@@ -341,7 +341,7 @@ class Pipeline:
         loss = float("nan")
         for _ in range(steps):
             ids, mask = self.demo_batch([next(items) for _ in range(n)])
-            loss = (await self.trainer.sft_step(ids, mask))["loss"]
+            loss = (await self.trainer.sft_step(ids, mask, self.cfg.run.warm_start_lr or None))["loss"]
         self.warm_dir = Path(self.cfg.run.out_dir) / "warm_start"
         await self.trainer.export_hf(str(self.warm_dir))
         if await self.trainer.set_reference():

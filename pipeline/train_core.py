@@ -284,9 +284,10 @@ class TrainCore:
         self.scheduler.step()
         return red
 
-    def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+    def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lr: float | None = None) -> dict[str, float]:
         """Supervised cross-entropy on demonstration tokens (loss_mask in the Batch token layout);
-        one optimizer step that does not advance the RL version or the LR schedule."""
+        one optimizer step at `lr` (default: the schedule's) that does not advance the RL version or
+        the LR schedule."""
         check_sft(input_ids, loss_mask, self.vocab_size)
         mask_all = loss_mask[:, 1:].float()
         n_tok = float(mask_all.sum())
@@ -301,7 +302,16 @@ class TrainCore:
         if not math.isfinite(loss_v):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"trainer: sft loss is {loss_v}; step skipped, weights not updated")
-        return {"loss": loss_v, "grad_norm": self._clip_and_step(), "tokens": n_tok}
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        try:
+            norm = self._clip_and_step()
+        finally:
+            for g, v in zip(self.optimizer.param_groups, saved):
+                g["lr"] = v
+        return {"loss": loss_v, "grad_norm": norm, "tokens": n_tok}
 
     def _clip_and_step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)

@@ -5,7 +5,10 @@ import pytest
 from pipeline.tasks import PromptStream, TaskError, load_task, take
 
 
-@pytest.mark.parametrize("name", ["pipeline.tasks.reverse", "pipeline.tasks.arith"])
+BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed"]
+
+
+@pytest.mark.parametrize("name", BUILTIN)
 def test_builtin_task_demonstrations_score_one_and_junk_scores_less(name):
     task = load_task(name)
     for item in take(task, seed=3, split="train", n=20):
@@ -25,6 +28,32 @@ def test_arith_gives_partial_credit():
     assert task.reward("12+7=", "19") == 1.0
     assert 0 < task.reward("12+7=", "29") < 1
     assert task.reward("12+7=", "x") == 0.0
+
+
+def test_sort_gives_partial_credit():
+    task = load_task("pipeline.tasks.sort")
+    assert task.reward("sort dbca=", "abcd") == 1.0
+    assert task.reward("sort dbca=", "abdc") == pytest.approx(0.5)
+    assert task.reward("sort dbca=", "dcba") == 0.0  # reversing is not sorting
+
+
+def test_boxed_rewards_the_format_and_the_sum():
+    task = load_task("pipeline.tasks.boxed")
+    assert task.reward("box 12+7=", "(19)") == 1.0
+    assert task.reward("box 12+7=", "(29)") == pytest.approx(0.3 + 0.7 * 0.45)  # format, one digit of two
+    assert task.reward("box 12+7=", "19") == pytest.approx(0.3)  # right sum, no format
+    assert task.reward("box 12+7=", "(x)") == 0.0 and task.reward("box 12+7=", "()") == 0.0
+    with pytest.raises(Exception, match="malformed"):
+        task.reward("12+7=", "(19)")
+
+
+def test_builtin_tasks_are_tokenizable_by_the_tiny_model():
+    from pipeline.model import CHARS
+
+    for name in BUILTIN:
+        task = load_task(name)
+        for item in take(task, 0, "train", 50) + take(task, 0, "eval", 50):
+            assert set(item.prompt + task.demonstration(item)) <= set(CHARS), (name, item.prompt)
 
 
 def test_train_and_eval_prompt_streams_differ():

@@ -173,6 +173,17 @@ def test_kl_penalty_to_initial_policy_is_reported(cfg):
     assert core.train_step(b)["kl_ref"] > 0  # k3 >= 0 and the policy has moved
 
 
+def test_sft_step_at_its_own_lr_leaves_the_rl_lr_alone(cfg):
+    a, b = TrainCore(cfg), TrainCore(cfg)
+    batch = make_batch(a.model)
+    w0 = weights(a)
+    a.sft_step(batch.input_ids, batch.loss_mask, lr=1e-2)
+    b.sft_step(batch.input_ids, batch.loss_mask)
+    moved = lambda c: sum(float((weights(c)[k] - w0[k]).abs().sum()) for k in w0)  # noqa: E731
+    assert moved(a) > 5 * moved(b)  # AdamW's first step moves each weight by about lr
+    assert [g["lr"] for g in a.optimizer.param_groups] == [cfg.trainer.lr] * len(a.optimizer.param_groups)
+
+
 def test_kl_reference_is_the_warm_started_policy_and_survives_a_checkpoint(cfg, tmp_path):
     """set_reference (after the warm start) re-anchors the KL; a checkpoint keeps that reference, so a
     resumed run does not fall back to the initial checkpoint's policy."""
