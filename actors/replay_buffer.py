@@ -6,7 +6,8 @@ Protocol (generators pull work and push samples; the trainer pulls batches):
     n = await buf.release_generator.call_one((g, k)) # it died: its groups are requeued
     await buf.add.call_one(rollout)                  # raises (ActorError) on a bad rollout
     await buf.release.call_one(group_id)             # a generator gave up on a group
-    batch = await buf.get_batch.call_one(v, 60.0)    # waits for B complete groups at version v
+    batch = await buf.get_batch.call_one(v, 60.0)    # waits for B complete groups at version v;
+                                                     # None: end of data (below)
     await buf.skip_batch.call_one(batch.group_ids)   # the trainer skipped its step: groups dropped
     stats = await buf.finish_step.call_one(v + 1, mean_reward)   # new version, Δ update -> stats()
     stats = await buf.stats.call_one()
@@ -15,6 +16,13 @@ Protocol (generators pull work and push samples; the trainer pulls batches):
 so `add` and `finish_step` keep being served while they wait; every state change notifies it.
 The prompt is drawn from the stream only once admission is granted, so the stream position in
 state_dict() is exactly the prompts handed out.
+
+End of data: with run.epochs > 0 the stream of a finite task ends. From then on admit hands out only
+requeued groups (a dead generator's), and get_batch returns None once nothing is in flight and the
+complete groups left are fewer than a batch: every full batch the admitted prompts make is trained,
+the remainder (under B groups, logged) is not, like a data loader's drop_last. Dropped groups (stale,
+zero signal, failed) are not generated again. stats() and finish_step() report the stream position
+as `data_epoch` (epochs drawn, fractional once the epoch length is known).
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ class ReplayBufferActor(Actor):
     def __init__(self, cfg: Config, pad_id: int):
         self.cfg = cfg
         self.core = ReplayBufferCore(cfg.buffer, pad_id)
-        self.prompts = PromptStream(load_task(cfg.task.name), cfg.task.seed)
+        self.prompts = PromptStream(load_task(cfg.task.name, cfg.task), cfg.task.seed, epochs=cfg.run.epochs)
+        self.exhausted = False  # the stream ended (run.epochs): no new prompts
         self.changed = asyncio.Condition()
 
     def _handle_undeliverable_message(self, message) -> bool:
@@ -53,7 +62,14 @@ class ReplayBufferActor(Actor):
             self.changed.notify_all()
 
     def _has_work(self) -> bool:
-        return self.core.has_requeued() or self.core.can_admit()
+        return self.core.has_requeued() or (self.core.can_admit() and not self.exhausted)
+
+    def _end_of_data(self) -> bool:
+        """No batch can come any more: the stream ended, nothing is in flight and fewer than B are complete."""
+        return self.exhausted and self.core.in_flight_groups == 0 and not self.core.ready()
+
+    def _stats(self) -> dict:
+        return {**self.core.stats(), "data_epoch": self.prompts.progress(), "data_exhausted": self.exhausted}
 
     @concurrent_endpoint
     async def admit(self, wait_s: float = 0.0, lessee: tuple[int, int] = (0, 0)) -> PromptGroup | None:
@@ -69,9 +85,16 @@ class ReplayBufferActor(Actor):
             return None
         if self.core.has_requeued():
             return self.core.take_requeued(lessee)
-        if not self.core.can_admit():
+        if not self.core.can_admit() or self.exhausted:
             return None
-        return self.core.admit(next(self.prompts), lessee)
+        item = next(self.prompts, None)
+        if item is None:
+            self.exhausted = True
+            log.info("buffer: the prompt stream ended after %g epochs (run.epochs); %d groups in flight, %d complete",
+                     self.prompts.progress(), self.core.in_flight_groups, self.core.stats()["complete_groups"])
+            await self._notify()  # a get_batch waiting for the end of data
+            return None
+        return self.core.admit(item, lessee)
 
     @endpoint
     async def release_generator(self, lessee: tuple[int, int]) -> int:
@@ -92,16 +115,17 @@ class ReplayBufferActor(Actor):
         return released
 
     @concurrent_endpoint
-    async def get_batch(self, trainer_version: int, timeout_s: float | None = None) -> Batch:
-        """The next B groups for `trainer_version`; TimeoutError after `timeout_s`
-        (default buffer.batch_timeout_s) naming how far the buffer got."""
+    async def get_batch(self, trainer_version: int, timeout_s: float | None = None) -> Batch | None:
+        """The next B groups for `trainer_version`, or None at the end of data (module docstring);
+        TimeoutError after `timeout_s` (default buffer.batch_timeout_s) naming how far the buffer got."""
         timeout_s = self.cfg.buffer.batch_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         async with self.changed:
             self.core.set_trainer_version(trainer_version)
             self.changed.notify_all()  # the version bump may have freed admission slots
             try:
-                await asyncio.wait_for(self.changed.wait_for(self.core.ready), timeout_s)
+                await asyncio.wait_for(self.changed.wait_for(lambda: self.core.ready() or self._end_of_data()),
+                                       timeout_s)
             except asyncio.TimeoutError:
                 s = self.core.stats()
                 raise TimeoutError(
@@ -109,6 +133,12 @@ class ReplayBufferActor(Actor):
                     f"{s['complete_groups']} of {self.cfg.buffer.batch_groups} groups ready, "
                     f"{s['in_flight_groups']} in flight, admission limit {s['admission_limit']}, "
                     f"dropped {s['dropped_groups']}") from None
+            if not self.core.ready():
+                left = self.core.stats()["complete_groups"]
+                (log.warning if left else log.info)(
+                    "buffer: end of data at version %d: %d complete groups, fewer than a batch of %d, are not "
+                    "trained", trainer_version, left, self.cfg.buffer.batch_groups)
+                return None
             batch = self.core.take_batch()
             self.core.record_wait(time.monotonic() - t0)
             self.changed.notify_all()  # taking B groups opens admission
@@ -129,11 +159,11 @@ class ReplayBufferActor(Actor):
         self.core.set_trainer_version(version)
         self.core.end_step(mean_reward)
         await self._notify()
-        return self.core.stats()
+        return self._stats()
 
     @endpoint
     async def stats(self) -> dict:
-        return self.core.stats()
+        return self._stats()
 
     @endpoint
     async def state_dict(self) -> dict:

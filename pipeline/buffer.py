@@ -137,6 +137,11 @@ class ReplayBufferCore:
     def held_groups(self) -> int:
         return len(self._in_flight) + len(self._complete)
 
+    @property
+    def in_flight_groups(self) -> int:
+        """Held groups not complete yet (requeued ones included): what may still become a batch."""
+        return len(self._in_flight)
+
     def admission_limit(self) -> int:
         """Most groups that may be held right now (the smaller of the two admission bounds)."""
         c = self.cfg

@@ -330,9 +330,15 @@ class TaskConfig:
     name: str = "pipeline.tasks.reverse"
     """Dotted path of a task module or object providing `prompts(...)` and `reward(prompt, completion)`."""
     seed: int = 0
-    """Seed of the prompt stream."""
+    """Seed of the prompt stream: passed to prompts(seed, split); also seeds the per-epoch shuffle of a
+    finite train split (pipeline/tasks/__init__.py)."""
     eval_prompts: int = 32
-    """Held-out prompts scored for the learning curve (0..100000)."""
+    """Held-out prompts scored for the learning curve (0..100000); a shorter eval split is used whole."""
+    path: str = ""
+    """Data file of a file-based task (pipeline.tasks.jsonl: its train split, one JSON object per line);
+    empty for tasks that need none. Must exist; read relative to the working directory, kept absolute."""
+    eval_path: str = ""
+    """Eval split file of a file-based task (pipeline.tasks.jsonl); empty: no eval split. Must exist if set."""
     reward_timeout_s: float = 30.0
     """Seconds one reward call may run (> 0); past it the sample is rejected as reward_timeout."""
     reward_workers: int = 4
@@ -348,6 +354,11 @@ class TaskConfig:
         _check(self.reward_timeout_s > 0, "task.reward_timeout_s", self.reward_timeout_s, "> 0")
         _check(1 <= self.reward_workers <= 256, "task.reward_workers", self.reward_workers, "1..256")
         _check(0 < self.max_reject_frac <= 1, "task.max_reject_frac", self.max_reject_frac, "0 < x <= 1")
+        for key in ("path", "eval_path"):
+            value = getattr(self, key)
+            if value:  # absolute: every process (generators, buffer) reads the same file whatever its cwd
+                _check(Path(value).is_file(), f"task.{key}", value, "an existing file (or empty)")
+                setattr(self, key, str(Path(value).resolve()))
 
 
 @dataclass
@@ -356,6 +367,10 @@ class RunConfig:
     """async (overlapped loops) | sync (generate a full batch, train, sync, repeat)."""
     steps: int = 20
     """Optimizer steps in the RL phase (0..10^7)."""
+    epochs: int = 0
+    """Passes over a finite train split (0..10^6; 0: unbounded, run.steps decides). The run ends after
+    run.steps steps or once this many epochs of prompts were drawn and every full batch they make was
+    trained, whichever comes first; an infinite prompt source never ends an epoch."""
     seed: int = 0
     """Global seed."""
     out_dir: str = "outputs/run"
@@ -389,6 +404,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _choice("run.mode", self.mode, ("async", "sync"))
         _check(0 <= self.steps <= 10_000_000, "run.steps", self.steps, "0..10000000")
+        _check(0 <= self.epochs <= 1_000_000, "run.epochs", self.epochs, "0..1000000 (0: unbounded)")
         _check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
         _check(0 <= self.warm_start_lr <= 1, "run.warm_start_lr", self.warm_start_lr, "0 (trainer.lr) .. 1")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")

@@ -45,10 +45,10 @@ from pipeline.checkpoint import (Checkpoints, load_controller_state, prepare_res
 from pipeline.config import Config
 from pipeline.health import CollapseWatch, batch_health
 from pipeline.metrics import MetricsSink, Progress, plot_summary
-from pipeline.model import EOS_ID, PAD_ID, load_tokenizer, model_dir
+from pipeline.model import EOS_ID, PAD_ID, encode_completion, encode_prompt, load_tokenizer, model_dir
 from pipeline.procs import alive, kill
 from pipeline.rollout import RewardScorer, reject_rate_problem
-from pipeline.tasks import RewardRejected, load_task, take
+from pipeline.tasks import PromptStream, RewardRejected, open_task, take
 from pipeline.train_core import TooManySkippedSteps, skipped_step_error
 from pipeline.weightsync.sync import WeightSync
 
@@ -63,6 +63,10 @@ SHUTDOWN_TIMEOUT_S = 60.0  # Pipeline.shutdown, all of it
 
 class RunError(RuntimeError):
     """A loop or an actor failed; the message names which and why."""
+
+
+class EndOfData(Exception):
+    """The prompt stream ended (run.epochs) and the buffer holds no full batch any more: a normal end."""
 
 
 async def timed(what: str, aw, timeout: float = CALL_TIMEOUT_S):
@@ -98,7 +102,7 @@ class Pipeline:
         self.restarts = [0] * n
         self.requeued_groups = 0
         self._failures: asyncio.Queue | None = None  # (generator index or None for fatal, cause)
-        self.task = load_task(cfg.task.name)
+        self.task = open_task(cfg.task, evaluate=bool(cfg.run.eval_every and cfg.task.eval_prompts))  # TaskError
         self.checkpoints = Checkpoints(cfg)  # the user's config (before sync_mode_config) is what a resume diffs
         self.saved_step = -1  # the step of this run's newest checkpoint (or the one it resumed from)
         self.eval_curve: list[tuple[int, float, float]] = []  # (step, sampled, greedy); kept in checkpoints
@@ -336,7 +340,7 @@ class Pipeline:
         """Supervised warm start on task demonstrations (reported as such), exported for the generators."""
         if self.task.demonstration is None:
             raise RunError(f"run.warm_start_steps={steps} but task {self.task.name} has no demonstration()")
-        items = iter(self.task.prompts(self.cfg.task.seed + 7919, "train"))
+        items = PromptStream(self.task, self.cfg.task.seed + 7919)  # a finite split cycles in epochs
         n = self.cfg.buffer.batch_groups * self.cfg.buffer.group_size
         loss = float("nan")
         for _ in range(steps):
@@ -352,8 +356,8 @@ class Pipeline:
     def demo_batch(self, items) -> tuple[torch.Tensor, torch.Tensor]:
         seqs, masks = [], []
         for it in items:
-            p = self.tokenizer(it.prompt)["input_ids"]
-            c = self.tokenizer(self.task.demonstration(it))["input_ids"] + [EOS_ID]
+            p = encode_prompt(self.tokenizer, it.prompt)  # as the generators do: the same tokens in RL
+            c = encode_completion(self.tokenizer, self.task.demonstration(it)) + [EOS_ID]
             seqs.append(p + c)
             masks.append([0.0] * len(p) + [1.0] * len(c))
         t = max(map(len, seqs))
@@ -365,13 +369,15 @@ class Pipeline:
         """Wait for a batch, take one optimizer step: version + 1 on the trainer (not yet announced).
         A step the trainer skips (non-finite loss or gradient, no loss tokens) gives its batch back
         to the buffer, booked as dropped so that admission reopens, and the next batch is tried; after
-        trainer.max_skipped_steps skips in a row the run stops."""
+        trainer.max_skipped_steps skips in a row the run stops. EndOfData once the prompts ran out."""
         cfg = self.cfg
         t0 = time.monotonic()
         while True:
             batch = await timed("buffer.get_batch",
                                 self.buffer.get_batch.call_one(self.version, cfg.buffer.batch_timeout_s),
                                 cfg.buffer.batch_timeout_s + 30)
+            if batch is None:
+                raise EndOfData(f"the prompt stream ended (run.epochs={cfg.run.epochs}) and no full batch is left")
             t1 = time.monotonic()
             if cfg.generator.carry_over == "save":  # CoPRIS stage end: in-flight rollouts become partials
                 # a generator dying meanwhile is the supervisor's business, not this step's
@@ -564,7 +570,7 @@ def buffer_metrics(buf: dict) -> dict[str, float]:
     """The buffer's per-step metrics: Δ, drops and wasted tokens (every mode reports them)."""
     return {"buffer/delta": float(buf["delta"]), "buffer/dropped_samples": float(buf["dropped_samples"]),
             "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"]),
-            "buffer/zero_signal_groups": float(buf["zero_signal_groups"])}
+            "buffer/zero_signal_groups": float(buf["zero_signal_groups"]), "data/epoch": float(buf["data_epoch"])}
 
 
 # ---------------------------------------------------------------------- the job
@@ -581,8 +587,15 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
     t_start = time.monotonic()
     samples = tokens = 0
     watch = CollapseWatch(cfg.run.collapse_entropy, cfg.run.collapse_length, cfg.run.collapse_patience)
+    last, ended = first_step - 1, "steps"
     for step in range(first_step, cfg.run.steps + 1):
-        metrics = await pipe.step()
+        try:
+            metrics = await pipe.step()
+        except EndOfData as e:  # run.epochs reached: a normal end (below: a final eval, then the summary)
+            log.info("end of data after step %d: %s", last, e)
+            ended = "data"
+            break
+        last = step
         if (msg := watch.update(step, metrics)) is not None:
             log.warning(msg)
         samples += int(metrics.get("samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
@@ -613,8 +626,14 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
         sink.log(step, metrics)
         progress.update(metrics)
     await pipe.sync.wait()
+    evaluated = bool(eval_curve) and eval_curve[-1][0] == last
+    if ended == "data" and cfg.run.eval_every and cfg.task.eval_prompts and last >= first_step and not evaluated:
+        # the final model (the loop evaluates at run.steps, which end of data comes before): its own row
+        ev = await pipe.evaluate()
+        eval_curve.append((last, ev["eval/reward"], ev["eval/reward_greedy"]))
+        sink.log(last, ev)
     elapsed = max(time.monotonic() - t_start, 1e-9)
-    summary.update({"steps": cfg.run.steps - first_step + 1, "version": pipe.version, "elapsed_s": elapsed,
+    summary.update({"steps": last - first_step + 1, "ended": ended, "version": pipe.version, "elapsed_s": elapsed,
                     "collapsed_steps": watch.steps_collapsed,
                     "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed, "eval_curve": eval_curve})
     return summary

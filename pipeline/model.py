@@ -249,6 +249,19 @@ def load_tokenizer(hf_dir: Path):
     return AutoTokenizer.from_pretrained(str(hf_dir))
 
 
+def encode_prompt(tok, prompt: str) -> list[int]:
+    """A prompt's token ids, the one way every path makes them: generation (RolloutEngine, whose ids
+    the trainer gets in each Rollout) and the warm start (Pipeline.demo_batch). With the tokenizer's
+    own special tokens, as vLLM and HF add them to a text prompt: a BOS for a tokenizer that adds one
+    (Llama-style), nothing for the tiny and Qwen tokenizers."""
+    return list(tok(prompt, add_special_tokens=True)["input_ids"])
+
+
+def encode_completion(tok, text: str) -> list[int]:
+    """A completion's token ids (a demonstration), which continue a prompt: no special tokens."""
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
 if __name__ == "__main__":
     import argparse
 

@@ -34,7 +34,7 @@ from collections import deque
 from typing import Awaitable, Callable
 
 from pipeline.config import Config
-from pipeline.model import model_dir
+from pipeline.model import encode_prompt, model_dir
 from pipeline.rollout import (RequestError, RewardScorer, RolloutStats, Trajectory, WorkSource, check_prompt,
                               check_request, spans_to_versions)
 from pipeline.tasks import RewardRejected, load_task
@@ -68,7 +68,7 @@ def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
 class RolloutEngine:
     def __init__(self, cfg: Config, generator_id: int):
         self.cfg, self.g, self.gid = cfg, cfg.generator, generator_id
-        self.task = load_task(cfg.task.name)
+        self.task = load_task(cfg.task.name, cfg.task)
         self.scorer = RewardScorer(self.task, cfg.task.reward_timeout_s, cfg.task.reward_workers)
         self.engine = None
         self.tok = None
@@ -181,7 +181,7 @@ class RolloutEngine:
     def _prompt_tokens(self, prompt: str) -> tuple[int, ...]:
         """The prompt's token ids; RequestError if it cannot be tokenised, is empty or leaves no room."""
         try:
-            ids = tuple(self.tok.encode(prompt, add_special_tokens=False))
+            ids = tuple(encode_prompt(self.tok, prompt))  # the warm start's way too (pipeline.model)
         except Exception as e:
             raise RequestError("prompt_not_tokenizable", f"{type(e).__name__}: {e}") from e
         check_prompt(len(ids), self.g.max_model_len)

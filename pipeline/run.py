@@ -4,9 +4,11 @@ Runs the whole job (generators, replay buffer, trainer, weight sync) as describe
 Under torchrun every rank joins one Monarch job and rank 0 drives it, on one host
 (`torchrun --nproc-per-node K -m pipeline.run ...`) or several (one launcher per node with
 `--nnodes N --node-rank R --master-addr A --master-port P`; see pipeline/torchrun.py).
-Exit codes: 0 done, 2 bad config or arguments, 1 the run failed; stopped by a signal, once its
-shutdown has run: 130 SIGINT, 143 SIGTERM, 129 SIGHUP (128 + signum, also after a second signal or
-a shutdown past its grace period, which kill the run's process tree instead; see pipeline/cleanup.py).
+Exit codes: 0 done (run.steps, or the end of data with run.epochs), 2 bad config, arguments or task
+(one that does not load, an empty train split, a bad data file), 1 the run failed; stopped by a
+signal, once its shutdown has run: 130 SIGINT, 143 SIGTERM, 129 SIGHUP (128 + signum, also after a
+second signal or a shutdown past its grace period, which kill the run's process tree instead; see
+pipeline/cleanup.py).
 Nothing of the run outlives it: at start the segments of dead runs are swept from /dev/shm; at exit
 whatever of this process's tree survived the shutdown is killed and its segments unlinked.
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 from pipeline import cleanup
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.tasks import TaskError
 
 log = logging.getLogger("pipeline")
 
@@ -43,6 +46,9 @@ def print_summary(cfg: Config, summary: dict) -> None:
     curve = summary.get("eval_curve") or []
     print(f"\n== done: {summary['steps']} steps in {summary['elapsed_s']:.1f}s "
           f"({summary['samples_per_s']:.2f} samples/s), trainer version {summary['version']}")
+    if summary.get("ended") == "data":
+        print(f"   end of data: {summary['stats']['buffer']['data_epoch']:g} epochs of prompts drawn "
+              f"(run.epochs={cfg.run.epochs}), before run.steps={cfg.run.steps}")
     if cfg.run.warm_start_steps:
         print(f"   warm start: {cfg.run.warm_start_steps} supervised steps on task demonstrations before RL "
               f"(held-out rewards below are measured after it)")
@@ -97,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         if swept:
             log.info("removed %d shared-memory segments of dead runs: %s", len(swept), " ".join(swept))
         return launch(cfg)
-    except ConfigError as e:  # from the file, or from the job's shape (e.g. trainer.num_ranks vs hosts)
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, TaskError) as e:  # the file, the job's shape (trainer.num_ranks vs hosts), or the
+        print(f"error: {e}", file=sys.stderr)  # task (Pipeline checks it before any mesh starts)
         return 2
     except KeyboardInterrupt as e:  # SIGINT; cleanup.Interrupted for SIGTERM and SIGHUP
         print(f"interrupted ({e or 'SIGINT'}); exit code {cleanup.exit_code(e)}", file=sys.stderr)

@@ -21,7 +21,7 @@ import torch
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt from a task's source; `uid` is unique within a run."""
+    """One prompt from a task's source; `uid` is unique within one pass over a split (epochs repeat it)."""
 
     uid: int
     prompt: str

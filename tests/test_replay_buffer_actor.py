@@ -102,3 +102,36 @@ def test_state_dict_restores_prompt_position_and_counters(procs):
     assert restored.item == nxt.item and restored.group_id == nxt.group_id
     s = b.stats.call_one().get()
     assert s["dropped_groups"] == {} and s["admitted_samples"] == 4 and s["held_samples"] == 4
+
+
+def test_end_of_data_trains_every_full_batch_then_get_batch_returns_none(procs, tmp_path):
+    """A finite task with run.epochs=1: 5 prompts, B=2. Two full batches are trained; once the stream
+    ends, admit hands out nothing and a waiting get_batch returns None (not a timeout) as soon as the
+    last in-flight group completes, leaving one group (fewer than B) untrained."""
+    from pipeline.config import RunConfig, TaskConfig
+
+    data = tmp_path / "five.jsonl"
+    words = "abc bad cab dab fed".split()
+    data.write_text("".join(f'{{"prompt": "rev {w}=", "answer": "{w[::-1]}"}}\n' for w in words))
+    cfg = Config(buffer=BufferConfig(group_size=2, batch_groups=2, overcommit="none"), run=RunConfig(epochs=1),
+                 task=TaskConfig(name="pipeline.tasks.jsonl", path=str(data)))
+    buf = procs.spawn("buf_end_of_data", ReplayBufferActor, cfg, 0)
+    prompts = []
+    for v in range(2):
+        groups = [buf.admit.call_one().get() for _ in range(2)]
+        prompts += [g.item.prompt for g in groups]
+        for g in groups:
+            complete(buf, g, version=v)
+        assert buf.get_batch.call_one(v, 10.0).get().num_samples == 4
+        buf.finish_step.call_one(v + 1, 0.5).get()
+    last = buf.admit.call_one().get()
+    assert buf.admit.call_one(0.2).get() is None  # the stream ended: nothing new, and no busy wait
+    prompts.append(last.item.prompt)
+    assert sorted(prompts) == sorted(f"rev {w}=" for w in words)  # each prompt once
+    pending = buf.get_batch.call_one(2, 30.0)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    complete(buf, last, version=2)
+    assert pending.get() is None and time.monotonic() - t0 < 5
+    s = buf.stats.call_one().get()
+    assert s["data_epoch"] == 1.0 and s["data_exhausted"] and s["trained_samples"] == 8 and s["held_samples"] == 2

@@ -84,7 +84,7 @@ async def run_bare(cfg, items: list[PromptItem], group: int, rounds: int) -> lis
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from pipeline.model import load_tokenizer, model_dir
+    from pipeline.model import encode_prompt, load_tokenizer, model_dir
     from pipeline.rollout_engine import engine_args
 
     hf_dir = model_dir(cfg.model)
@@ -100,7 +100,7 @@ async def run_bare(cfg, items: list[PromptItem], group: int, rounds: int) -> lis
             async def one(i: int, item: PromptItem) -> int:
                 async with sem:
                     last = None
-                    async for o in engine.generate({"prompt_token_ids": tok.encode(item.prompt, add_special_tokens=False)},
+                    async for o in engine.generate({"prompt_token_ids": encode_prompt(tok, item.prompt)},
                                                    sp, request_id=f"bare{r}-{i}"):
                         last = o
                     return len(last.outputs[0].token_ids)
@@ -165,7 +165,7 @@ def main() -> None:
     from pipeline.tasks import load_task, take
 
     cfg = bench_cfg(args)
-    items = take(load_task(cfg.task.name), 0, "train", args.prompts)
+    items = take(load_task(cfg.task.name, cfg.task), 0, "train", args.prompts)
     say(f"workload: {args.prompts} prompts x {args.group} samples x {args.max_new} tokens, N'={args.concurrency}")
     bare = asyncio.run(run_bare(cfg, items, args.group, args.rounds + 1))[1:]
     actor, stats = asyncio.run(run_actor(cfg, items, args.group, args.rounds + 1))

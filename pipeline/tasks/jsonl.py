@@ -1,0 +1,113 @@
+"""Built-in task: prompts and answers from local JSONL files (`task.path`, optionally `task.eval_path`).
+
+    python -m pipeline.run --config configs/tiny.yaml task.name=pipeline.tasks.jsonl \
+        task.path=examples/tasks/capitals.jsonl task.eval_path=examples/tasks/capitals.jsonl run.epochs=30
+
+One JSON object per line: {"prompt": "...", "answer": "..."} plus an optional "id" (a string or an
+integer, unique within its file; error messages name it). Other keys are ignored and blank lines
+skipped. A bad line (invalid JSON, not an object, a missing key, a prompt or answer that is not a
+string, an empty prompt, a repeated id) fails at load naming file:line, before anything starts.
+
+Splits: task.path is the train split; task.eval_path, if set, the eval split (a separate file, so
+nothing is silently held out of training). Without it the eval split is empty, and a run with
+evaluation on (run.eval_every and task.eval_prompts > 0) fails at start saying so.
+
+Reward: 1.0 for the exact answer (the completion stripped of surrounding whitespace), else partial
+credit: difflib's similarity ratio 2·M/T of the two strings (M matching characters, T both lengths),
+below 1 whenever they differ. It looks the answer up by prompt, so a prompt has one answer across
+both files: the same prompt twice with the same answer is allowed (it is trained twice per epoch),
+with different answers it fails at load naming both lines. `demonstration` is the answer.
+
+`prompts` returns a tuple, so PromptStream shuffles every epoch, the first included, and the files
+are read once per process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+from pipeline.config import TaskConfig
+from pipeline.tasks import TaskError
+from pipeline.types import PromptItem
+
+__all__ = ["JsonlTask", "from_config", "read_jsonl"]
+
+NAME = "pipeline.tasks.jsonl"
+
+
+def from_config(cfg: TaskConfig) -> "JsonlTask":
+    if not cfg.path:
+        raise TaskError(f"task {NAME!r}: task.path is empty; set it to a JSONL file of "
+                        '{"prompt": ..., "answer": ...} lines (e.g. examples/tasks/capitals.jsonl)')
+    return JsonlTask(cfg.path, cfg.eval_path)
+
+
+def read_jsonl(path: str | Path, first_uid: int = 0) -> list[tuple[PromptItem, str]]:
+    """(item, where) per line of `path`, where = "file:line" (and the id); TaskError names the bad line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskError(f"task {NAME!r}: cannot read {path}: {type(e).__name__}: {e}") from None
+    rows: list[tuple[PromptItem, str]] = []
+    ids: dict[object, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        at = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{at}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise TaskError(f'{at}: expected a JSON object with "prompt" and "answer", got {type(obj).__name__}')
+        missing = [k for k in ("prompt", "answer") if k not in obj]
+        if missing:
+            raise TaskError(f"{at}: missing key(s) {', '.join(repr(k) for k in missing)}")
+        for k in ("prompt", "answer"):
+            if not isinstance(obj[k], str):
+                raise TaskError(f"{at}: {k!r} must be a string, got {type(obj[k]).__name__} {obj[k]!r}")
+        if not obj["prompt"]:
+            raise TaskError(f"{at}: 'prompt' is empty")
+        if "id" in obj:
+            rid = obj["id"]
+            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+                raise TaskError(f"{at}: 'id' must be a string or an integer, got {type(rid).__name__} {rid!r}")
+            if rid in ids:
+                raise TaskError(f"{at}: id {rid!r} repeats {ids[rid]}")
+            ids[rid] = at
+            at = f"{at} (id {rid!r})"
+        rows.append((PromptItem(uid=first_uid + len(rows), prompt=obj["prompt"], answer=obj["answer"]), at))
+    return rows
+
+
+class JsonlTask:
+    def __init__(self, path: str | Path, eval_path: str | Path = ""):
+        train = read_jsonl(path)
+        evals = read_jsonl(eval_path, first_uid=len(train)) if eval_path else []
+        self._answers: dict[str, tuple[str, str]] = {}  # prompt -> (answer, where)
+        for item, at in train + evals:
+            seen = self._answers.setdefault(item.prompt, (item.answer, at))
+            if seen[0] != item.answer:
+                raise TaskError(f"{at}: prompt {item.prompt[:80]!r} has answer {item.answer[:80]!r}, but "
+                                f"{seen[1]} gives it {seen[0][:80]!r}; the reward looks answers up by prompt, so "
+                                "a prompt must have one answer")
+        self._splits = {"train": tuple(i for i, _ in train), "eval": tuple(i for i, _ in evals)}
+
+    def prompts(self, seed: int, split: str) -> tuple[PromptItem, ...]:
+        if split not in self._splits:
+            raise ValueError(f"task {NAME!r}: unknown split {split!r}; 'train' or 'eval'")
+        return self._splits[split]  # the order is PromptStream's (seeded shuffle per epoch)
+
+    def reward(self, prompt: str, completion: str) -> float:
+        if prompt not in self._answers:
+            raise KeyError(f"prompt {prompt[:80]!r} is in neither task.path nor task.eval_path")
+        answer, got = self._answers[prompt][0].strip(), completion.strip()
+        if got == answer:
+            return 1.0
+        return difflib.SequenceMatcher(None, got, answer, autojunk=False).ratio()
+
+    def demonstration(self, item: PromptItem) -> str:
+        return self._answers[item.prompt][0]
