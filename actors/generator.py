@@ -3,7 +3,7 @@
 Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
 
     gens = procs.spawn("gen", GeneratorActor, cfg, generator_id)   # one actor per engine
-    await gens.setup.call()                                        # start the engine (start_timeout_s)
+    await gens.setup.call()                                        # placement, then the engine (start_timeout_s)
     await gens.attach_weights.call(handle)                         # builds (or replaces) the WeightReceiver
     await gens.start_generation.call(buf)                          # N' requests in flight from buf.admit()
     await gens.stage_weights.call(v)                               # transport -> staging; generation goes on
@@ -22,11 +22,13 @@ The logic lives in pipeline/rollout_engine.py; this file only adapts it to Monar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from pipeline.config import Config
+from pipeline.placement import Placement, apply, generator_placements
 from pipeline.procs import descendants, me
 from pipeline.rollout_engine import RolloutEngine
 from pipeline.types import PromptGroup, Rollout
@@ -78,14 +80,18 @@ class GeneratorActor(Actor):
         self.receiver = None
 
     @endpoint
-    async def setup(self, version: int = 0) -> dict:
-        """Start the vLLM engine on model_dir(cfg.model), serving those weights as `version` (a
-        restarted generator starts on the trainer's latest export). Reports this proc's pid and its
-        engine processes, so a supervisor can clean up after a hard kill."""
+    async def setup(self, version: int = 0, placement: Placement | None = None) -> dict:
+        """Place this proc (default: as the only generator on its host, pipeline/placement.py; the
+        engine's processes inherit it), then start the vLLM engine on model_dir(cfg.model), serving
+        those weights as `version` (a restarted generator starts on the trainer's latest export).
+        Reports the placement, this proc's pid and its engine processes, so a supervisor can clean
+        up after a hard kill."""
         from pipeline.weightsync import vllm_engine_kwargs
 
+        lone = generator_placements(self.cfg, [0], 0)[0]
+        placed = apply(placement or dataclasses.replace(lone, role=f"generator{self.core.gid}"))
         info = await self.core.start_engine(vllm_engine_kwargs(), version)
-        return {**info, "procs": [me(), *descendants(os.getpid())]}
+        return {**info, "placement": placed, "procs": [me(), *descendants(os.getpid())]}
 
     @endpoint
     async def start_generation(self, buffer) -> None:

@@ -2,6 +2,7 @@
 
 Protocol (generators pull work and push samples; the trainer pulls batches):
 
+    info = await buf.setup.call_one()                # first: its placement (buffer.cpus) -> apply()'s report
     group = await buf.admit.call_one(0.5, (g, k))    # PromptGroup leased to generator g, incarnation k
     n = await buf.release_generator.call_one((g, k)) # it died: its groups are requeued
     await buf.add.call_one(rollout)                  # raises (ActorError) on a bad rollout
@@ -35,6 +36,7 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import Config
+from pipeline.placement import apply, buffer_placement
 from pipeline.tasks import PromptStream, load_task
 from pipeline.types import Batch, PromptGroup, Rollout
 
@@ -50,6 +52,11 @@ class ReplayBufferActor(Actor):
         self.prompts = PromptStream(load_task(cfg.task.name, cfg.task), cfg.task.seed, epochs=cfg.run.epochs)
         self.exhausted = False  # the stream ended (run.epochs): no new prompts
         self.changed = asyncio.Condition()
+
+    @endpoint
+    async def setup(self) -> dict:
+        """Pin this proc to buffer.cpus (pipeline/placement.py); returns what it runs on."""
+        return apply(buffer_placement(self.cfg))
 
     def _handle_undeliverable_message(self, message) -> bool:
         """A reply to a generator that died meanwhile cannot be delivered. Monarch would fail this

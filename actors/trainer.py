@@ -12,7 +12,8 @@
 Rendezvous: rank 0 alone opens a listening socket where the others reach it (`rendezvous_point`:
 127.0.0.1 on one host, so a single-host run listens on loopback only; else its host's address, the one
 Monarch's TCP channels advertise) and reports (addr, port). Then every rank runs `setup(addr, port)`:
-global rank = host index * ranks per host + local index, world = trainer.num_ranks; rank 0 serves the
+global rank = host index * ranks per host + local index, world = trainer.num_ranks (each rank first
+takes its placement, pipeline/placement.py: its share of trainer.cpus, its GPU); rank 0 serves the
 TCPStore on that socket, the others connect, and `init_process_group` spans every host (FSDP2).
 Every endpoint is called on all ranks (FSDP forward/backward, gathers and checkpoints are
 collectives); rank 0's answer is returned. Every call is bounded by `trainer.step_timeout_s`
@@ -32,6 +33,7 @@ import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
 
 from pipeline.config import Config, ConfigError, WeightSyncConfig
+from pipeline.placement import apply, describe, trainer_placement
 from pipeline.train_core import TrainCore
 from pipeline.types import Batch, WeightVersion
 
@@ -64,13 +66,13 @@ class TrainerActor(Actor):
     async def setup(self, addr: str, port: int) -> dict:
         sizes, rank, world = current_size(), current_rank().rank, self.cfg.trainer.num_ranks
         per_host = sizes["procs"]
-        host, local = divmod(rank, per_host)  # row-major over ('hosts', 'procs'): host * per_host + local
+        host = rank // per_host  # row-major over ('hosts', 'procs'): host * per_host + local index
         if sizes.get("hosts", 1) * per_host != world:
             raise RuntimeError(f"trainer mesh {sizes} does not hold trainer.num_ranks={world} ranks")
         tcfg = self.cfg.trainer
-        torch.set_num_threads(tcfg.cpu_threads or max(1, (os.cpu_count() or 1) // per_host))
+        placement = apply(trainer_placement(self.cfg, rank, per_host, len(os.sched_getaffinity(0))))
         if tcfg.device == "cuda":
-            torch.cuda.set_device(local % torch.cuda.device_count())
+            torch.cuda.set_device(0)  # its placement left this rank one visible GPU (CUDA_VISIBLE_DEVICES)
         if ipaddress.ip_address(addr).is_loopback:  # one host: gloo's pairs listen on loopback too
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch.distributed as dist
@@ -83,7 +85,8 @@ class TrainerActor(Actor):
                               master_listen_fd=self.listener.fileno() if rank == 0 else None)
         dist.init_process_group(tcfg.backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.core = TrainCore(self.cfg, rank, world)
-        return {"rank": rank, "world": world, "host": host, "pid": os.getpid(), "version": self.core.version}
+        return {"rank": rank, "world": world, "host": host, "pid": os.getpid(), "version": self.core.version,
+                "placement": placement}
 
     @endpoint
     async def train_step(self, batch: Batch) -> dict[str, float]:
@@ -160,6 +163,8 @@ class Trainer:
         if n % hosts:
             raise ConfigError(f"config: trainer.num_ranks={n} is invalid; allowed: a multiple of the job's "
                               f"{hosts} hosts (the trainer runs num_ranks / hosts ranks on every host)")
+        for rank in range(n // hosts):  # cores or GPUs too few for a host's ranks: ConfigError before spawning
+            trainer_placement(cfg, rank, n // hosts, 1)
         procs = host.spawn_procs(per_host={"procs": n // hosts})
         mesh = procs.spawn(name, TrainerActor, cfg)
         self = cls(cfg, procs, mesh)
@@ -171,9 +176,10 @@ class Trainer:
         except BaseException:
             await procs.stop()
             raise
+        self.placements = [r["placement"] for r in ranks]  # apply()'s report per rank, in rank order
         for r in ranks:
-            log.info("trainer rank %d/%d on host %d (pid %d), rendezvous %s:%d", r["rank"], r["world"],
-                     r["host"], r["pid"], self.addr, port)
+            log.info("trainer rank %d/%d on host %d, rendezvous %s:%d; placement: %s", r["rank"], r["world"],
+                     r["host"], self.addr, port, describe(r["placement"]))
         return self
 
     async def call_all(self, ep: str, *args, timeout: float | None = None, every: bool = False):

