@@ -178,8 +178,8 @@ class Trainer:
             raise
         self.placements = [r["placement"] for r in ranks]  # apply()'s report per rank, in rank order
         for r in ranks:
-            log.info("trainer rank %d/%d on host %d, rendezvous %s:%d; placement: %s", r["rank"], r["world"],
-                     r["host"], self.addr, port, describe(r["placement"]))
+            log.info("trainer rank %d/%d on host %d (pid %d), rendezvous %s:%d; placement: %s", r["rank"],
+                     r["world"], r["host"], r["pid"], self.addr, port, describe(r["placement"]))
         return self
 
     async def call_all(self, ep: str, *args, timeout: float | None = None, every: bool = False):

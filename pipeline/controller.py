@@ -147,7 +147,8 @@ class Pipeline:
         buffer_procs = self._spawn(host, 0)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
         self.placement["buffer"] = await timed("buffer setup", self.buffer.setup.call_one(), 60)
-        log.info("placement: %s", describe(self.placement["buffer"]))
+        log.info("placement: buffer (pid %d): %s", self.placement["buffer"]["pid"],
+                 describe(self.placement["buffer"]))
         self._host_mesh = host
         self._install_fault_hook()
         warm = str(self.warm_dir) if hasattr(self, "warm_dir") else None
@@ -183,7 +184,7 @@ class Pipeline:
                            self.cfg.generator.start_timeout_s)
         self._gen_pids[i] = info["procs"]
         self.placement[f"generator{i}"] = info["placement"]
-        log.info("placement: %s", describe(info["placement"]))
+        log.info("placement: generator%d (pid %d): %s", i, info["placement"]["pid"], describe(info["placement"]))
         return gen
 
     def _local(self, i: int) -> bool:

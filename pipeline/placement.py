@@ -143,7 +143,8 @@ def generator_placements(cfg: Config, generator_hosts: Sequence[int], trainer_pe
         seen[h] += 1
         who = f"{n} generator(s) on host {h} x generator.tensor_parallel_size={tp}"
         cpus = _share(g.cpus, "generator.cpus", n, k, tp, who)
-        bind = "|".join(format_ids(split_even(cpus, tp, r)) for r in range(tp)) if cpus and g.engine == "vllm-cpu" else ""
+        bind = ("|".join(format_ids(split_even(cpus, tp, r)) for r in range(tp))
+                if cpus and g.engine == "vllm-cpu" else "")
         gpus, key = (), ""
         if g.engine == "vllm":
             if gpu_ids:
@@ -226,9 +227,8 @@ def apply(p: Placement) -> dict:
 
 
 def describe(info: dict) -> str:
-    """One log line from apply()'s report."""
-    s = f"{info['role']} (pid {info['pid']}): cores {info['cpus']} ({'pinned' if info['pinned'] else 'not pinned'}), " \
-        f"{info['threads']} torch threads"
+    """apply()'s report for a log line (without its role and pid)."""
+    s = f"cores {info['cpus']} ({'pinned' if info['pinned'] else 'not pinned'}), {info['threads']} torch threads"
     if info["vllm_cpu_bind"]:
         s += f", vLLM CPU worker threads on {info['vllm_cpu_bind']}"
     if info["gpus"]:
