@@ -27,6 +27,7 @@ import os
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from pipeline import logs
 from pipeline.config import Config
 from pipeline.placement import Placement, apply, generator_placements
 from pipeline.procs import descendants, me
@@ -74,6 +75,7 @@ class MeshSource:
 
 class GeneratorActor(Actor):
     def __init__(self, cfg: Config, generator_id: int, incarnation: int = 0):
+        logs.configure(cfg.run.log_level)  # this proc, and (through VLLM_LOGGING_LEVEL) its engine's
         self.cfg = cfg
         self.incarnation = incarnation  # how many times generator `generator_id` was restarted before this one
         self.core = RolloutEngine(cfg, generator_id)

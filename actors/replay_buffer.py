@@ -34,6 +34,7 @@ import time
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from pipeline import logs
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import Config
 from pipeline.placement import apply, buffer_placement
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 class ReplayBufferActor(Actor):
     def __init__(self, cfg: Config, pad_id: int):
+        logs.configure(cfg.run.log_level)
         self.cfg = cfg
         self.core = ReplayBufferCore(cfg.buffer, pad_id)
         self.prompts = PromptStream(load_task(cfg.task.name, cfg.task), cfg.task.seed, epochs=cfg.run.epochs)

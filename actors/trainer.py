@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
 
+from pipeline import logs
 from pipeline.config import Config, ConfigError, WeightSyncConfig
 from pipeline.placement import apply, describe, trainer_placement
 from pipeline.train_core import TrainCore
@@ -44,6 +45,7 @@ class TrainerActor(Actor):
     """One trainer rank. Endpoints read as the protocol; all logic lives in TrainCore."""
 
     def __init__(self, cfg: Config) -> None:
+        logs.configure(cfg.run.log_level)
         self.cfg = cfg
         self.listener: socket.socket | None = None  # rank 0: the rendezvous store's socket
         self.core: TrainCore | None = None

@@ -10,12 +10,15 @@ Code receives plain dataclasses (`OmegaConf.to_object`), never a DictConfig.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from pipeline.logs import LEVELS
 
 
 class ConfigError(ValueError):
@@ -437,6 +440,16 @@ class RunConfig:
     """Score held-out prompts every this many steps (0 disables)."""
     progress: bool = True
     """Show a progress bar."""
+    log_level: str = "warning"
+    """Console level of every process of the run (pipeline/logs.py): debug | info | warning | error.
+    Our loggers and vLLM's follow it (vLLM logs INFO lines at every weight update); at warning and
+    above the benign messages every run prints (pipeline.logs.BENIGN) are dropped too. info shows all."""
+    log_rollouts: int = 2
+    """Trained samples per step written to out_dir/rollouts.jsonl and to TensorBoard as text: prompt,
+    completion, reward, per-token policy versions, staleness (0..1024; 0 writes none)."""
+    wandb: str = "off"
+    """Weights & Biases: off | offline (out_dir/wandb, no network; `wandb sync` uploads it later) |
+    online. Logs the metrics.jsonl scalars and the rollouts as a table; needs `pip install wandb`."""
     checkpoint_every: int = 0
     """Save a resumable checkpoint (pipeline/checkpoint.py: trainer, buffer with its held groups,
     prompt position, RNG, eval curve) as out_dir/checkpoints/step_N every this many steps, and a
@@ -470,6 +483,13 @@ class RunConfig:
         _check(self.collapse_length >= 0, "run.collapse_length", self.collapse_length, ">= 0 (0: off)")
         _check(self.collapse_patience >= 1, "run.collapse_patience", self.collapse_patience, ">= 1")
         _check(self.keep_checkpoints >= 0, "run.keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
+        _choice("run.log_level", self.log_level, LEVELS)
+        _check(0 <= self.log_rollouts <= 1024, "run.log_rollouts", self.log_rollouts, "0..1024 (0: none)")
+        if self.wandb == "False":  # YAML 1.1 reads a bare `off` as false, which the str field keeps as 'False'
+            self.wandb = "off"
+        _choice("run.wandb", self.wandb, ("off", "offline", "online"))
+        _check(self.wandb == "off" or importlib.util.find_spec("wandb") is not None, "run.wandb", self.wandb,
+               "'off' unless the wandb package is installed: pip install wandb (or pip install -e '.[wandb]')")
         if self.resume and self.resume != "latest":  # 'latest' is resolved by load_config
             from pipeline.checkpoint import incomplete
 

@@ -44,7 +44,7 @@ from pipeline.checkpoint import (Checkpoints, load_controller_state, prepare_res
                                  save_controller_state, set_rng_state)
 from pipeline.config import Config
 from pipeline.health import CollapseWatch, batch_health
-from pipeline.metrics import MetricsSink, Progress, plot_summary
+from pipeline.metrics import MetricsSink, Progress, plot_summary, trained_samples
 from pipeline.model import EOS_ID, PAD_ID, encode_completion, encode_prompt, load_tokenizer, model_dir
 from pipeline.placement import describe, generator_placements
 from pipeline.procs import alive, kill
@@ -107,6 +107,7 @@ class Pipeline:
         self.checkpoints = Checkpoints(cfg)  # the user's config (before sync_mode_config) is what a resume diffs
         self.saved_step = -1  # the step of this run's newest checkpoint (or the one it resumed from)
         self.eval_curve: list[tuple[int, float, float]] = []  # (step, sampled, greedy); kept in checkpoints
+        self.last_batch = None  # the Batch of the last trained step: the rollouts log decodes a few of its rows
 
     # ------------------------------------------------------------------ start / stop
 
@@ -363,6 +364,10 @@ class Pipeline:
         log.info("warm start: %d supervised steps on demonstrations, final loss %.4f", steps, loss)
         return {"warm_start/loss": loss, "warm_start/steps": steps}
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, as the generators decode completions (special tokens dropped)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def demo_batch(self, items) -> tuple[torch.Tensor, torch.Tensor]:
         seqs, masks = [], []
         for it in items:
@@ -411,6 +416,7 @@ class Pipeline:
                     *[g.start_generation.call_one(self.buffer) for _, g in self.live_generators()],
                     return_exceptions=True))
         self.version += 1
+        self.last_batch = batch
         metrics["trainer/skipped_steps"] = metrics.pop("skipped_steps")
         stale = batch.staleness().float()
         t2 = time.monotonic()
@@ -634,6 +640,7 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
         if cfg.run.checkpoint_every and step % cfg.run.checkpoint_every == 0:
             metrics["checkpoint"] = str(await pipe.save_checkpoint(step))
         sink.log(step, metrics)
+        sink.log_rollouts(step, trained_samples(pipe.last_batch, pipe.decode, cfg.run.log_rollouts, PAD_ID))
         progress.update(metrics)
     await pipe.sync.wait()
     evaluated = bool(eval_curve) and eval_curve[-1][0] == last
@@ -657,7 +664,7 @@ async def run(cfg: Config, host: Any = None) -> dict:
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     resume_step = read_marker(cfg.run.resume)["step"] if cfg.run.resume else None
-    sink = MetricsSink(out, resume_step)  # drops rows a dead run logged after its checkpoint
+    sink = MetricsSink(out, resume_step, cfg.run.wandb, dataclasses.asdict(cfg))  # resumed: rows past it dropped
     progress = None
     pipe = Pipeline(cfg, host)
     pipe.checkpoints.sweep()

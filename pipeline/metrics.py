@@ -1,7 +1,8 @@
-"""Metrics sinks: JSONL + TensorBoard on disk, a progress bar, and the end-of-run summary plot.
+"""Metrics sinks: JSONL + TensorBoard on disk (and W&B), a progress bar, the end-of-run summary plot.
 
-    sink = MetricsSink(out_dir)
+    sink = MetricsSink(out_dir, wandb="off")
     sink.log(step, {"reward/mean": 0.4, "staleness/mean": 0.5})
+    sink.log_rollouts(step, trained_samples(batch, tokenizer.decode, k=2))   # out_dir/rollouts.jsonl
     sink.close()
     plot_summary(out_dir / "metrics.jsonl", out_dir / "summary.png")
 """
@@ -13,7 +14,12 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+from pipeline.wandb_sink import open_wandb
+
+if TYPE_CHECKING:
+    from pipeline.types import Batch
 
 
 def _scalar(v: Any) -> float | None:
@@ -31,29 +37,74 @@ def _row_step(line: str) -> float:
         return math.inf  # a torn last line of a killed run: dropped
 
 
-class MetricsSink:
-    """One JSON line per `log` call (all values) and TensorBoard scalars (numeric values).
+def _restart_log(path: Path, resume_step: int | None) -> None:
+    """A fresh run (resume_step None) empties `path`; a resumed one keeps its rows up to resume_step."""
+    keep = []
+    if resume_step is not None and path.exists():
+        keep = [line for line in path.read_text().splitlines() if line.strip() and _row_step(line) <= resume_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)  # a crash here leaves the old file or the kept rows, never half
 
-    A run owns its out_dir's metrics: a fresh run (`resume_step=None`) starts metrics.jsonl anew; a
-    resumed one keeps the rows up to its checkpoint's step, drops the later ones (logged after that
-    checkpoint by the run that died) and appends, so no step appears twice. TensorBoard events from
-    `resume_step + 1` on are purged likewise.
+
+def trained_samples(batch: Batch, decode: Callable[[list[int]], str], k: int, pad_id: int = 0) -> list[dict]:
+    """k rows of a trained batch, spread over it (rows j*N//k, so over several groups), for the rollouts
+    log. Layout (pipeline/types.py): prompt tokens, completion tokens (loss_mask 1), then pad_id.
+    `versions` has one entry per completion token; staleness is trainer_version - min(versions)."""
+    n, stale, rows = batch.num_samples, batch.staleness(), []
+    k = min(k, n)
+    for i in (j * n // k for j in range(k)):  # distinct and increasing, as k <= n
+        ids, mask = batch.input_ids[i], batch.loss_mask[i] > 0
+        done = mask.nonzero().flatten().tolist()
+        if done:
+            prompt = ids[:done[0]].tolist()
+        else:  # no completion token: the prompt is the row up to its padding
+            prompt = ids.tolist()
+            while prompt and prompt[-1] == pad_id:
+                prompt.pop()
+        rows.append({"group_id": batch.group_ids[i], "trainer_version": batch.trainer_version,
+                     "staleness": int(stale[i]), "reward": float(batch.rewards[i]),
+                     "advantage": float(batch.advantages[i]), "prompt": decode(prompt),
+                     "completion": decode(ids[mask].tolist()), "versions": batch.versions[i][mask].tolist()})
+    return rows
+
+
+def rollouts_markdown(step: int, rows: list[dict]) -> str:
+    """TensorBoard text of one step's logged samples (indented: shown as preformatted text)."""
+    out = []
+    for r in rows:
+        out.append(f"step {step} · group {r['group_id']} · reward {r['reward']:.3f} · staleness {r['staleness']} "
+                   f"(trainer version {r['trainer_version']})\n\n"
+                   f"    prompt:     {r['prompt']!r}\n    completion: {r['completion']!r}\n"
+                   f"    versions:   {r['versions']}")
+    return "\n\n".join(out)
+
+
+class MetricsSink:
+    """One JSON line per `log` call (all values), TensorBoard scalars (numeric values), and with
+    `log_rollouts` a few trained samples per step in rollouts.jsonl and TensorBoard text. With
+    wandb=offline|online the same scalars and samples go to W&B as well (pipeline/wandb_sink.py).
+
+    A run owns its out_dir's metrics: a fresh run (`resume_step=None`) starts metrics.jsonl and
+    rollouts.jsonl anew; a resumed one keeps the rows up to its checkpoint's step, drops the later ones
+    (logged after that checkpoint by the run that died) and appends, so no step appears twice.
+    TensorBoard events from `resume_step + 1` on are purged likewise.
     """
 
-    def __init__(self, out_dir: str | Path, resume_step: int | None = None):
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None, wandb: str = "off",
+                 config: dict[str, Any] | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
-        keep = []
-        if resume_step is not None and self.path.exists():
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and _row_step(line) <= resume_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)  # a crash here leaves the old file or the kept rows, never half
+        self.rollouts_path = self.out_dir / "rollouts.jsonl"
+        _restart_log(self.path, resume_step)
+        if self.rollouts_path.exists():  # written from the first log_rollouts on; none with run.log_rollouts=0
+            _restart_log(self.rollouts_path, resume_step)
+        self._wandb = open_wandb(wandb, self.out_dir, config or {}, resume_step)
         self._f = self.path.open("a")
+        self._rollouts = None
         self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"),
                                  purge_step=None if resume_step is None else resume_step + 1)
         self._t0 = time.monotonic()
@@ -62,14 +113,29 @@ class MetricsSink:
         rec = {"step": step, "time_s": round(time.monotonic() - self._t0, 3), **metrics}
         self._f.write(json.dumps(rec, default=str) + "\n")
         self._f.flush()
-        for k, v in metrics.items():
-            s = _scalar(v)
-            if s is not None:
+        scalars = {k: s for k, v in rec.items() if k != "step" and (s := _scalar(v)) is not None}
+        for k, s in scalars.items():
+            if k != "time_s":
                 self._tb.add_scalar(k, s, step)
+        self._wandb.log(step, scalars)
+
+    def log_rollouts(self, step: int, rows: list[dict]) -> None:
+        """Rows of `trained_samples` for `step`: one JSON line each, one TensorBoard text, W&B table rows."""
+        if not rows:
+            return
+        if self._rollouts is None:
+            self._rollouts = self.rollouts_path.open("a")
+        self._rollouts.write("".join(json.dumps({"step": step, **r}) + "\n" for r in rows))
+        self._rollouts.flush()
+        self._tb.add_text("rollouts", rollouts_markdown(step, rows), step)
+        self._wandb.log_rollouts(step, rows)
 
     def close(self) -> None:
         self._f.close()
+        if self._rollouts is not None:
+            self._rollouts.close()
         self._tb.close()
+        self._wandb.close()
 
 
 class Progress:

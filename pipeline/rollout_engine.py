@@ -58,7 +58,8 @@ def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
     kw = dict(model=str(hf_dir), tokenizer=str(hf_dir), dtype=cfg.model.dtype, seed=seed,
               tensor_parallel_size=g.tensor_parallel_size, max_model_len=g.max_model_len,
               max_num_seqs=max(g.concurrency, 8), logprobs_mode=f"{g.logprobs_mode}_logprobs",
-              enable_prefix_caching=g.on_update != "keep", enforce_eager=g.engine == "vllm-cpu")
+              enable_prefix_caching=g.on_update != "keep", enforce_eager=g.engine == "vllm-cpu",
+              use_tqdm_on_load=cfg.run.log_level in ("debug", "info"))  # a progress bar per engine start
     if g.engine == "vllm":
         kw["gpu_memory_utilization"] = g.gpu_memory_utilization
     kw.update(extra or {})

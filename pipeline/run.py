@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any
 
-from pipeline import cleanup
+from pipeline import cleanup, logs
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.tasks import TaskError
 
@@ -57,6 +57,10 @@ def print_summary(cfg: Config, summary: dict) -> None:
               f"(step {curve[-1][0]}); greedy: {curve[0][2]:.3f} -> {curve[-1][2]:.3f}")
     print(f"   metrics: {cfg.run.out_dir}/metrics.jsonl, tensorboard: {cfg.run.out_dir}/tensorboard, "
           f"plot: {cfg.run.out_dir}/summary.png")
+    if cfg.run.log_rollouts:
+        print(f"   trained samples ({cfg.run.log_rollouts} per step): {cfg.run.out_dir}/rollouts.jsonl")
+    if cfg.run.wandb == "offline":
+        print(f"   wandb (offline): {cfg.run.out_dir}/wandb; upload with `wandb sync {cfg.run.out_dir}/wandb/offline-run-*`")
     print(f"   HF checkpoint: {summary.get('checkpoint')}")
 
 
@@ -94,11 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     """The program. It owns this process: the run's processes stay in its tree, and at exit whatever
     of that tree outlived the shutdown is killed (cleanup.stop_tree)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=logs.FORMAT)  # run.log_level once the config is read
     cleanup.become_subreaper()
     cleanup.raise_on_signals()
     try:
         cfg = load_config(args.config, args.overrides)
+        logs.configure(cfg.run.log_level)  # before any proc starts: they inherit VLLM_LOGGING_LEVEL
         swept = cleanup.sweep_segments()
         if swept:
             log.info("removed %d shared-memory segments of dead runs: %s", len(swept), " ".join(swept))

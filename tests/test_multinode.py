@@ -20,7 +20,7 @@ from .test_pipeline import _alive, _descendants
 
 TINY = ["run.steps=2", "run.eval_every=0", "run.progress=false", "run.warm_start_steps=0", "buffer.batch_groups=2",
         "buffer.group_size=2", "generator.concurrency=4", "generator.max_new_tokens=6", "trainer.num_ranks=2",
-        "weight_sync.transport=rdma"]
+        "weight_sync.transport=rdma", "run.log_level=info"]  # info: the tests read the driver's placement lines
 TIMEOUT_S = 900
 
 

@@ -108,7 +108,7 @@ def test_checkpoint_then_resume_continues_versions_and_prompt_position(tmp_path)
     root = out / "checkpoints"
     base = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL, "run.warm_start_steps=0",
             "run.checkpoint_every=2", "run.keep_checkpoints=1", "run.eval_every=2", "task.eval_prompts=4",
-            f"run.out_dir={out}"]
+            "run.log_level=info", f"run.out_dir={out}"]  # info: the resume's own line is checked below
     with open(tmp_path / "run1.log", "w") as log1:
         proc = subprocess.Popen([*base, "run.steps=1000"], cwd=REPO, stdout=log1, stderr=subprocess.STDOUT)
     seen: set[int] = set()

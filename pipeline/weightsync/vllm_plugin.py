@@ -3,6 +3,7 @@
 vLLM calls `register()` in every engine and worker process it starts, so the `monarch_rl`
 weight-transfer backend exists wherever `weight_transfer_config={"backend": "monarch_rl"}` is used,
 and the engine core dies with the process that started it (pipeline.cleanup.exit_with_parent).
+It also drops the benign vLLM messages at the generator's run.log_level (pipeline.logs.quiet_benign).
 The package must be installed (`pip install --no-deps -e .`) for the entry point to be visible.
 """
 
@@ -15,8 +16,10 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     from pipeline.cleanup import exit_with_parent
+    from pipeline.logs import quiet_benign
 
     exit_with_parent()
+    quiet_benign()
 
     try:
         WeightTransferEngineFactory.register_engine(BACKEND, "pipeline.weightsync.vllm_engine",
