@@ -216,9 +216,14 @@ def creator_pid(name: str) -> int | None:
 
 def segment_users() -> dict[str, set[int]]:
     """Segment name -> pids that hold it open or map it. Each process's fds are read before its
-    maps: a creator opens, maps, then may close, so one of the two always shows it."""
+    maps: a creator opens, maps, then may close, so one of the two always shows it. A mapping is
+    named by its inode: glibc maps a named semaphore (sem.mp-*, a vLLM engine's worker lock) through
+    the temporary file it creates it as, so maps shows that file's name, '(deleted)'."""
     users: dict[str, set[int]] = {}
     prefix = SHM_DIR + "/"
+    by_inode = {}
+    for e in os.scandir(SHM_DIR):
+        by_inode[e.inode()] = e.name
     for d in os.scandir("/proc"):
         if not d.name.isdigit():
             continue
@@ -234,8 +239,9 @@ def segment_users() -> dict[str, set[int]]:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
                     i = line.find(prefix)
-                    if i >= 0:
-                        users.setdefault(line[i + len(prefix):].rstrip("\n"), set()).add(pid)
+                    if i >= 0:  # fields: address perms offset device inode path
+                        name = by_inode.get(int(line.split()[4]), line[i + len(prefix):].rstrip("\n"))
+                        users.setdefault(name, set()).add(pid)
         except OSError:  # gone meanwhile, or another user's
             continue
     return users

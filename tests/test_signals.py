@@ -259,6 +259,19 @@ def _segment(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+def test_sweep_keeps_a_live_named_semaphore():
+    """A multiprocessing lock of a live process (vLLM's engine core passes one to its worker by name):
+    glibc maps it under its temporary name, so only its inode tells that it is in use."""
+    import multiprocessing
+
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = "sem." + lock._semlock.name.lstrip("/")
+    assert os.getpid() in cleanup.segment_users().get(name, set())
+    assert cleanup.sweep_segments(min_age_s=0, names=[name]) == []
+    assert os.path.exists(os.path.join(SHM_DIR, name))
+    del lock  # its finalizer unlinks it
+
+
 def test_sweep_removes_a_dead_runs_segments_and_keeps_a_live_ones(tmp_path):
     dead_pid = subprocess.Popen([sys.executable, "-c", "pass"])
     dead_pid.wait()
