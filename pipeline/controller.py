@@ -321,16 +321,18 @@ class Pipeline:
     async def _stop_generator(self, i: int, gen: Any) -> None:
         """Best effort, bounded: shut the engine down, stop the proc mesh, then SIGKILL whatever of its
         recorded processes survived (an engine core outlives a parent killed with SIGKILL)."""
+        clean = False
         if gen is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(gen.shutdown.call_one(), 15)
+                clean = True
         procs, self._gen_procs[i] = self._gen_procs[i], None
         if procs is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(procs.stop(), 30)
         killed = kill(self._gen_pids[i]) if self._local(i) else []
-        if killed:
-            log.warning("generator%d: killed leftover processes %s", i, killed)
+        if killed:  # after a clean engine shutdown only vLLM's exiting helpers are left: routine
+            log.log(logging.INFO if clean else logging.WARNING, "generator%d: killed leftover processes %s", i, killed)
 
     async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """close -> cancel -> stop, within timeout_s overall: cancel the push in flight, then stop every
