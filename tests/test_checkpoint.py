@@ -101,7 +101,7 @@ def test_resume_with_a_changed_shape_fails_naming_the_key_and_other_changes_appl
     with caplog.at_level(logging.INFO, logger="pipeline.checkpoint"):
         cfg = load_config(TINY, [*resume, "trainer.lr=5e-4", "run.steps=900"])
     assert cfg.trainer.lr == 5e-4 and cfg.run.steps == 900
-    assert "trainer.lr=0.0005 (the checkpoint's run had 0.001); the new value applies" in caplog.text
+    assert "trainer.lr=0.0005 (the checkpoint's run had 0.0003); the new value applies" in caplog.text
     assert prepare_resume(cfg) == cfg  # resolved once: idempotent
     with pytest.raises(ConfigError, match="run.steps=2 is invalid"):  # the checkpoint is at step 2
         load_config(TINY, [*resume, "run.steps=2"])
