@@ -71,11 +71,13 @@ class ReplayBufferActor(Actor):
             self.changed.notify_all()
 
     def _has_work(self) -> bool:
-        return self.core.has_requeued() or (self.core.can_admit() and not self.exhausted)
+        return self.core.has_requeued() or (self.core.can_admit() and (self.core.has_retry() or not self.exhausted))
 
     def _end_of_data(self) -> bool:
-        """No batch can come any more: the stream ended, nothing is in flight and fewer than B are complete."""
-        return self.exhausted and self.core.in_flight_groups == 0 and not self.core.ready()
+        """No batch can come any more: the stream ended, nothing is in flight or waiting to be
+        retried, and fewer than B are complete."""
+        return (self.exhausted and self.core.in_flight_groups == 0 and not self.core.has_retry()
+                and not self.core.ready())
 
     def _stats(self) -> dict:
         return {**self.core.stats(), "data_epoch": self.prompts.progress(), "data_exhausted": self.exhausted}
@@ -94,7 +96,11 @@ class ReplayBufferActor(Actor):
             return None
         if self.core.has_requeued():
             return self.core.take_requeued(lessee)
-        if not self.core.can_admit() or self.exhausted:
+        if not self.core.can_admit():
+            return None
+        if self.core.has_retry():  # a prompt whose group went stale comes before new ones
+            return self.core.admit_retry(lessee)
+        if self.exhausted:
             return None
         item = next(self.prompts, None)
         if item is None:

@@ -9,7 +9,9 @@ Life of a prompt group (G = group_size, B = batch_groups, η = max_staleness, v 
 
 Groups are trained or dropped whole: the GRPO baseline is the group mean, so a group missing a
 sample would have a biased baseline, and a batch always holds exactly B·G samples. Drop reasons:
-"stale" (some sample is older than η), "zero_signal" (equal rewards and zero_signal=drop),
+"stale" (some sample is older than η; with retry_stale its prompt is admitted again as a new
+group, before new prompts, so no prompt of a finite dataset is lost to staleness),
+"zero_signal" (equal rewards and zero_signal=drop),
 "failed" (release() by a generator), "skipped_step" (skip_batch(): the trainer skipped the step
 of the last batch taken).
 
@@ -127,6 +129,8 @@ class ReplayBufferCore:
         self._revoked: set[Lessee] = set()  # lessees declared dead
         self._requeued: deque[int] = deque()  # in-flight groups whose generator died, to hand out again
         self.requeued_groups = 0
+        self._retry: deque[PromptItem] = deque()  # prompts of groups dropped as stale, to admit again
+        self.retried_prompts = 0
         self.staleness_hist: Counter[int] = Counter()
         self.wait_s_total = self.wait_s_last = 0.0
         self.delta_capped_steps = 0  # steps whose Δ exceeded what the staleness bound admits
@@ -171,6 +175,15 @@ class ReplayBufferCore:
         self._in_flight[g.group_id] = _Group(g)
         self._lease[g.group_id] = lessee
         return g
+
+    def has_retry(self) -> bool:
+        return bool(self._retry)
+
+    def admit_retry(self, lessee: Lessee) -> PromptGroup:
+        """A new group for the oldest prompt whose group was dropped as stale (buffer.retry_stale);
+        the caller checks can_admit() and has_retry() first."""
+        self.retried_prompts += 1
+        return self.admit(self._retry.popleft(), lessee)
 
     def has_requeued(self) -> bool:
         return bool(self._requeued)
@@ -305,6 +318,8 @@ class ReplayBufferCore:
         else:
             del self._complete[gid]
         self.dropped_groups[reason] += 1
+        if reason == "stale" and self.cfg.retry_stale:  # never trained on: its prompt is not lost
+            self._retry.append(g.group.item)
 
     # ---- versions and batches ----------------------------------------------------------------
     def set_trainer_version(self, version: int) -> None:
@@ -411,6 +426,7 @@ class ReplayBufferCore:
             "dropped_samples_by_reason": {k: v * G for k, v in self.dropped_groups.items()},
             "rejected": dict(self.rejected), "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
             "requeued_groups": self.requeued_groups, "requeued_waiting": len(self._requeued),
+            "retried_prompts": self.retried_prompts, "retry_waiting": len(self._retry),
             "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups,
             "staleness_hist": dict(sorted(self.staleness_hist.items())),
             "trainer_wait_s_total": self.wait_s_total, "trainer_wait_s_last": self.wait_s_last,
@@ -427,6 +443,7 @@ class ReplayBufferCore:
                 "dropped_groups": dict(self.dropped_groups), "rejected": dict(self.rejected),
                 "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
                 "requeued_groups": self.requeued_groups,
+                "retry": list(self._retry), "retried_prompts": self.retried_prompts,
                 "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups, "staleness_hist": dict(self.staleness_hist),
                 "wait_s_total": self.wait_s_total,
                 "complete": [(g.group, [g.samples[i] for i in range(G)], list(g.advantages))
@@ -450,6 +467,8 @@ class ReplayBufferCore:
         self.deferred_groups, self.wait_s_total = s["deferred_groups"], s["wait_s_total"]
         self.delta_capped_steps = s["delta_capped_steps"]
         self.staleness_hist = Counter(s["staleness_hist"])
+        self._retry = deque(s.get("retry", ()))  # a checkpoint from before retry_stale has none
+        self.retried_prompts = s.get("retried_prompts", 0)
         for group, samples, advantages in s["complete"]:
             self._complete[group.group_id] = _Group(group, dict(enumerate(samples)), list(advantages))
         for group, received_tokens in s["in_flight"]:

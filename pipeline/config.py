@@ -222,6 +222,9 @@ class BufferConfig:
     while the reward is significantly rising; otherwise Δ decays. 0 grows on any positive slope."""
     normalize_std: bool = True
     """Divide group-relative advantages by the group's reward std."""
+    retry_stale: bool = True
+    """A group dropped as stale was never trained on: admit its prompt again (before new prompts), so
+    a finite dataset loses no prompt to staleness. Counted in the buffer stats as retried_prompts."""
     zero_signal: str = "keep"
     """Groups whose rewards are all equal (no learning signal under group-relative advantages):
     keep (trained at zero advantage) | drop (DAPO dynamic sampling: not trained, counted as dropped

@@ -323,3 +323,25 @@ def test_dead_generators_groups_are_requeued_whole_and_accounting_holds():
     batch = buf.take_batch()
     assert set(batch.group_ids) <= {a, b, c} and buf.check_accounting()["dropped_samples"] == 0
     assert buf.stats()["requeued_groups"] == 1
+
+
+def test_a_stale_groups_prompt_is_admitted_again_before_new_ones_and_survives_a_checkpoint():
+    buf = ReplayBufferCore(cfg(max_staleness=0, batch_groups=1), PAD)
+    (g0,) = admit(buf)
+    first = buf._in_flight[g0].group.item
+    buf.add(rollout(g0, 0, versions=(0, 0)))
+    buf.set_trainer_version(1)  # g0's sample is now one version too old
+    assert buf.dropped_groups == {"stale": 1} and buf.has_retry()
+    state = buf.state_dict()
+    again = buf.admit_retry((0, 0))
+    assert again.item == first and again.group_id != g0 and not buf.has_retry()
+    assert buf.stats()["retried_prompts"] == 1
+    buf.check_accounting()
+    restored = ReplayBufferCore(cfg(max_staleness=0, batch_groups=1), PAD)
+    restored.load_state_dict(state)
+    assert restored.has_retry() and restored.admit_retry((0, 0)).item == first
+    off = ReplayBufferCore(cfg(max_staleness=0, retry_stale=False), PAD)
+    (g,) = admit(off)
+    off.add(rollout(g, 0, versions=(0, 0)))
+    off.set_trainer_version(1)
+    assert off.dropped_groups == {"stale": 1} and not off.has_retry()

@@ -253,8 +253,8 @@ def test_generation_and_warm_start_tokenize_a_prompt_the_same_way(tiny_dir, tmp_
 @pytest.mark.slow
 def test_cli_run_on_a_finite_jsonl_task_ends_cleanly_at_its_end_of_data(tmp_path):
     """12 prompts, run.epochs=2, B=2 groups of G=2, run.steps far above what the data makes: the run
-    trains every full batch of the 24 admitted groups (fewer if some were dropped as stale), then
-    ends as a normal end (exit 0, summary.json, HF export, summary.png) with data/epoch reported;
+    trains every one of the 24 prompt-epochs (a group dropped as stale has its prompt admitted again,
+    buffer.retry_stale), 12 batches, then ends as a normal end (exit 0, summary.json, HF export, summary.png) with data/epoch reported;
     its 3-prompt eval file is shorter than task.eval_prompts and is used whole, at step 0 and after the
     last step."""
     data, ev = tmp_path / "rev12.jsonl", tmp_path / "rev_eval.jsonl"
@@ -276,15 +276,17 @@ def test_cli_run_on_a_finite_jsonl_task_ends_cleanly_at_its_end_of_data(tmp_path
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "version/trainer" in r]
     n = len(steps)
-    assert 1 <= n <= 12 and [r["step"] for r in steps] == list(range(1, n + 1))
+    assert n == 12 and [r["step"] for r in steps] == list(range(1, n + 1))  # no prompt lost to staleness
     epochs = [r["data/epoch"] for r in steps]
     assert epochs == sorted(epochs) and 0 < epochs[0] and epochs[-1] > 1.5, epochs
     summary = json.loads((out / "summary.json").read_text())
     buf = summary["stats"]["buffer"]
     assert summary["ended"] == "data" and summary["steps"] == n and summary["version"] == n
     assert buf["data_epoch"] == 2.0 and buf["data_exhausted"] and buf["in_flight_groups"] == 0
-    assert buf["admitted_samples"] == 2 * 12 * 2 and buf["trained_samples"] == n * 2 * 2  # each prompt once per epoch
+    retried = buf["retried_prompts"]
+    assert buf["dropped_groups"].get("stale", 0) == retried and buf["retry_waiting"] == 0
+    assert buf["admitted_samples"] == (2 * 12 + retried) * 2 and buf["trained_samples"] == n * 2 * 2
     assert buf["admitted_samples"] == buf["trained_samples"] + buf["dropped_samples"] + buf["held_samples"]
-    assert buf["held_samples"] < 2 * 2  # the untrained remainder is less than a batch
+    assert buf["held_samples"] == 0
     assert [s for s, *_ in summary["eval_curve"]] == [0, n]  # the final model was evaluated too
     assert (out / "summary.png").stat().st_size > 0 and (out / "hf_checkpoint" / "model.safetensors").is_file()
