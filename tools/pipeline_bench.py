@@ -1,7 +1,8 @@
 """Async vs sync on the same machine, in one invocation, on a long-tail response-length workload.
 
-    python tools/pipeline_bench.py                      # defaults: 12 steps each, B=8, G=4
-    python tools/pipeline_bench.py --steps 20 --out bench_out/pipeline key=value ...
+    python tools/pipeline_bench.py                      # defaults: 3 repeats of 12 steps per mode, B=8, G=4
+    python tools/pipeline_bench.py --steps 20 --repeats 5 --out bench_out/pipeline key=value ...
+    python tools/pipeline_bench.py --placement shared   # every mesh on every core (no pinning)
 
 Both runs use the same components and config (task `pipeline.tasks.longtail` with `ignore_eos`, so
 lengths are lognormal); `run.mode=sync` generates a full batch, trains, syncs and repeats (Δ=0,
@@ -9,13 +10,21 @@ max_staleness=0; a version is admitted only once every generator serves it, so n
 `run.mode=async` overlaps generation, training and the weight push. Prints trained samples/s and
 trained tokens/s, trainer and generator idle fractions, dropped samples and wasted tokens per mode,
 and the async/sync speedup in both units; writes results.json and pipeline_bench.png into --out.
-Extra `key=value` arguments override the config.
+Placement is the same in both modes: `--placement disjoint` (the default) pins the trainer to the
+first core and the generators (and the light replay buffer) to the others (trainer.cpus,
+generator.cpus, buffer.cpus), so neither side's compute slows the other; `shared` leaves every mesh
+unpinned. Modes alternate (sync, async, sync, ...) `--repeats` times; the table gives each metric's
+median and its min..max over the repeats, the speedups are ratios of medians (with the spread of the
+per-repeat ratios), and a per-step breakdown (trainer waiting for a batch, training, weight sync)
+says where the time goes. Extra `key=value` arguments override the config.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -27,25 +36,38 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.metrics import read_jsonl  # noqa: E402
 
 
-def measure(mode: str, args, out: Path) -> dict:
+def placement(kind: str) -> list[str]:
+    """Overrides pinning the trainer to the first core and everything else to the rest."""
+    if kind == "shared":
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("pipeline_bench: --placement disjoint needs 2 or more cores; use --placement shared")
+    rest = ",".join(map(str, cores[1:]))
+    return [f"trainer.cpus={cores[0]}", f"generator.cpus={rest}", f"buffer.cpus={rest}", "run.allow_shared_cpus=true"]
+
+
+def measure(mode: str, args, out: Path, rep: int) -> dict:
+    name = f"{mode}{rep}"
     overrides = [
         "task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", f"generator.max_new_tokens={args.max_tokens}",
         f"buffer.batch_groups={args.batch_groups}", f"buffer.group_size={args.group_size}",
         f"run.steps={args.steps}", "run.eval_every=0", "run.warm_start_steps=0", "run.checkpoint_every=0",
-        "run.progress=false", f"run.mode={mode}", f"run.out_dir={out / mode}", *args.overrides]
+        "run.progress=false", f"run.mode={mode}", f"run.out_dir={out / name}", *placement(args.placement),
+        *args.overrides]
     load_config(args.config, overrides)  # a bad override fails here, before any run
     print(f"[pipeline_bench] {mode}: {args.steps} steps, B={args.batch_groups}, G={args.group_size}, "
           f"lengths lognormal capped at {args.max_tokens}", flush=True)
     # the CLI, so each mode is a whole run with its own start, shutdown and cleanup
     out.mkdir(parents=True, exist_ok=True)
-    log = out / f"{mode}.log"
+    log = out / f"{name}.log"
     with open(log, "w") as f:
         code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", args.config, *overrides],
                               cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise RuntimeError(f"the {mode} run exited with {code}; see {log}")
-    summary = json.loads((out / mode / "summary.json").read_text())
-    rows = [r for r in read_jsonl(out / mode / "metrics.jsonl") if "version/trainer" in r]
+    summary = json.loads((out / name / "summary.json").read_text())
+    rows = [r for r in read_jsonl(out / name / "metrics.jsonl") if "version/trainer" in r]
     # skip the first step: it includes the engines' first-batch warm-up in both modes
     rows = rows[1:] if len(rows) > 1 else rows
     wall = rows[-1]["time_s"] - rows[0]["time_s"] + rows[0]["time/batch_wait_s"] + rows[0]["time/train_s"]
@@ -60,23 +82,39 @@ def measure(mode: str, args, out: Path) -> dict:
             "trainer_idle_frac": 1 - train_s / wall,
             "generator_idle_frac": max(0.0, 1 - gen_busy / summary["elapsed_s"]),
             "mean_staleness": sum(r["staleness/mean"] for r in rows) / len(rows),
-            "tokens_per_sample": tokens / samples}
+            "tokens_per_sample": tokens / samples,
+            "batch_wait_s": sum(r["time/batch_wait_s"] for r in rows) / len(rows),
+            "train_s": train_s / len(rows),
+            "sync_s": sum(r["sync/latency_s"] for r in rows if r["sync/latency_s"] == r["sync/latency_s"]) / len(rows)}
 
 
-def plot(results: list[dict], path: Path) -> None:
+KEYS = ["samples_per_s", "tokens_per_s", "trainer_idle_frac", "generator_idle_frac", "mean_staleness",
+        "tokens_per_sample", "dropped_samples", "wasted_tokens", "batch_wait_s", "train_s", "sync_s"]
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Median, min and max of every KEYS metric over a mode's repeats."""
+    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
+                "max": max(r[k] for r in runs)} for k in KEYS} | {"mode": runs[0]["mode"], "repeats": len(runs)}
+
+
+def plot(summaries: list[dict], runs: dict[str, list[dict]], path: Path) -> None:
+    """Per metric: the median bar per mode, with every repeat as a dot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.5))
-    modes = [r["mode"] for r in results]
-    for ax, key, title in zip(axes, ["samples_per_s", "tokens_per_s", "trainer_idle_frac", "generator_idle_frac"],
-                              ["trained samples / s", "trained tokens / s", "trainer idle fraction",
-                               "generator idle fraction"]):
-        ax.bar(modes, [r[key] for r in results], color=["tab:gray", "tab:blue"][: len(modes)])
+    panels = [("samples_per_s", "trained samples / s"), ("tokens_per_s", "trained tokens / s"),
+              ("trainer_idle_frac", "trainer idle fraction"), ("generator_idle_frac", "generator idle fraction")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 3.5))
+    modes = [m["mode"] for m in summaries]
+    for ax, (key, title) in zip(axes, panels):
+        ax.bar(modes, [m[key]["median"] for m in summaries], color=["tab:gray", "tab:blue"][: len(modes)], alpha=0.7)
+        for x, mode in enumerate(modes):
+            ax.plot([x] * len(runs[mode]), [r[key] for r in runs[mode]], "k.", ms=6)
         ax.set_title(title)
-    fig.suptitle("async vs sync, long-tail response lengths")
+    fig.suptitle("async vs sync, long-tail response lengths (bars: median; dots: repeats)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -86,6 +124,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--placement", choices=("disjoint", "shared"), default="disjoint")
     ap.add_argument("--batch-groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -93,21 +133,47 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out)
-    results = [measure(mode, args, out) for mode in ("sync", "async")]
-    sync, asyn = results
-    print("\n| mode | samples/s | tokens/s | trainer idle | generator idle | mean staleness | tokens/sample "
+    print(f"[pipeline_bench] placement {args.placement}: {' '.join(placement(args.placement)) or 'unpinned'}")
+    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    for rep in range(args.repeats):  # alternate, so a drift in the machine's load hits both modes alike
+        for mode in runs:
+            r = measure(mode, args, out, rep)
+            runs[mode].append(r)
+            print(f"[pipeline_bench]   {mode} #{rep + 1}: {r['samples_per_s']:.1f} samples/s, "
+                  f"{r['tokens_per_s']:.0f} tokens/s", flush=True)
+    summaries = [summarise(runs["sync"]), summarise(runs["async"])]
+
+    def cell(m: dict, key: str, fmt: str) -> str:
+        return f"{m[key]['median']:{fmt}} ({m[key]['min']:{fmt}}..{m[key]['max']:{fmt}})"
+
+    print(f"\nmedian (min..max) over {args.repeats} repeats, placement {args.placement}\n")
+    print("| mode | samples/s | tokens/s | trainer idle | generator idle | mean staleness | tokens/sample "
           "| dropped samples | wasted tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(f"| {r['mode']} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | {r['trainer_idle_frac']:.2f} | "
-              f"{r['generator_idle_frac']:.2f} | {r['mean_staleness']:.2f} | {r['tokens_per_sample']:.1f} | "
-              f"{r['dropped_samples']:.0f} | {r['wasted_tokens']:.0f} |")
-    speedup = {"samples": asyn["samples_per_s"] / sync["samples_per_s"],
-               "tokens": asyn["tokens_per_s"] / sync["tokens_per_s"]}
-    print(f"\nasync/sync speedup: {speedup['samples']:.2f}x in trained samples/s, "
-          f"{speedup['tokens']:.2f}x in trained tokens/s")
-    (out / "results.json").write_text(json.dumps({"results": results, "speedup": speedup}, indent=2))
-    plot(results, out / "pipeline_bench.png")
+    for m in summaries:
+        print(f"| {m['mode']} | {cell(m, 'samples_per_s', '.1f')} | {cell(m, 'tokens_per_s', '.0f')} | "
+              f"{cell(m, 'trainer_idle_frac', '.2f')} | {cell(m, 'generator_idle_frac', '.2f')} | "
+              f"{m['mean_staleness']['median']:.2f} | {m['tokens_per_sample']['median']:.1f} | "
+              f"{m['dropped_samples']['median']:.0f} | {m['wasted_tokens']['median']:.0f} |")
+    print("\nper step (median s): | mode | waiting for a batch | training | weight sync |")
+    for m in summaries:
+        print(f"| {m['mode']} | {m['batch_wait_s']['median']:.2f} | {m['train_s']['median']:.2f} | "
+              f"{m['sync_s']['median']:.2f} |")
+    sync, asyn = summaries
+    speedup = {}
+    for unit, key in (("samples", "samples_per_s"), ("tokens", "tokens_per_s")):
+        ratios = [a[key] / s[key] for a, s in zip(runs["async"], runs["sync"])]
+        speedup[unit] = {"median_ratio": asyn[key]["median"] / sync[key]["median"],
+                         "pair_min": min(ratios), "pair_max": max(ratios)}
+    print(f"\nasync/sync speedup (ratio of medians; per-repeat pairs min..max): "
+          f"{speedup['samples']['median_ratio']:.2f}x ({speedup['samples']['pair_min']:.2f}..{speedup['samples']['pair_max']:.2f}) "
+          f"in trained samples/s, {speedup['tokens']['median_ratio']:.2f}x "
+          f"({speedup['tokens']['pair_min']:.2f}..{speedup['tokens']['pair_max']:.2f}) in trained tokens/s")
+    print(f"trainer idle in async: {asyn['trainer_idle_frac']['median']:.2f} (target <= 0.15); "
+          f"tokens/s speedup target >= 1.6x")
+    (out / "results.json").write_text(json.dumps({"placement": args.placement, "runs": runs, "summary": summaries,
+                                                   "speedup": speedup}, indent=2))
+    plot(summaries, runs, out / "pipeline_bench.png")
     print(f"wrote {out / 'results.json'} and {out / 'pipeline_bench.png'}")
     return 0
 
