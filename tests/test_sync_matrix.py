@@ -45,6 +45,9 @@ class ListSink:
     def log(self, step: int, metrics: dict) -> None:
         self.rows.append({"step": step, **metrics})
 
+    def log_rollouts(self, step: int, rows: list[dict]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
