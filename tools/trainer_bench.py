@@ -62,12 +62,39 @@ async def bench(cfg, ranks: int, args, vocab: int, bar) -> dict:
             times.append(time.perf_counter() - t)
             trained += m["tokens"]
             bar(f"{ranks} rank(s): step {i + 1}/{args.steps} {times[-1] * 1e3:.0f} ms loss {m['loss']:+.4f}")
+        overlap = await push_overlap(trainer, batches[1:], bar) if args.overlap else {}
     finally:
         await trainer.close()
     total = sum(times)
-    return {"ranks": ranks, "start_s": start_s, "steps": args.steps, "step_s_mean": total / len(times),
+    if overlap:
+        overlap["step_s_with_push_over_without"] = overlap["step_s_with_push"] / (total / len(times))
+    return {**overlap, "ranks": ranks, "start_s": start_s, "steps": args.steps, "step_s_mean": total / len(times),
             "step_s_min": min(times), "trained_tokens_per_s": trained / total,
             "total_tokens_per_s": args.steps * args.samples * args.seq_len / total}
+
+
+async def push_overlap(trainer, batches: list[Batch], bar) -> dict:
+    """Each step as the async controller runs it: the weight push of version v (gather, snapshot and
+    pack on the trainer; returns once packed) is issued, then the next train_step at once, while a
+    receiver (shm, in this process) pulls v. Returns the train_step latency seen with a push in
+    flight, to compare with the plain steps: the push must not delay the next step."""
+    from pipeline.config import WeightSyncConfig
+    from pipeline.weightsync import WeightReceiver
+
+    receiver = WeightReceiver(await trainer.sync_handle(1, "127.0.0.1", WeightSyncConfig(transport="shm")), 0)
+    times = []
+    try:
+        for i, b in enumerate(batches):
+            push = asyncio.ensure_future(trainer.push_weights())
+            t = time.perf_counter()
+            await trainer.train_step(b)
+            times.append(time.perf_counter() - t)
+            wv = await push
+            await receiver.pull(wv.version)
+            bar(f"with a push in flight: step {i + 1}/{len(batches)} {times[-1] * 1e3:.0f} ms")
+    finally:
+        receiver.close()
+    return {"step_s_with_push": sum(times) / len(times)}
 
 
 def main() -> None:
@@ -80,6 +107,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=0)
     ap.add_argument("--config", default=None)
+    ap.add_argument("--overlap", action="store_true", help="also time each step with the previous version's push "
+                    "in flight (the async controller's order); target: under 10%% slower")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
@@ -118,6 +147,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['ranks']:>5} {r['step_s_mean'] * 1e3:>9.1f} {r['trained_tokens_per_s']:>14.0f} "
               f"{r['total_tokens_per_s']:>12.0f} {r['speedup_vs_first']:>8.2f}x")
+    for r in rows:
+        if "step_s_with_push" in r:
+            print(f"{r['ranks']} rank(s): train step {r['step_s_mean'] * 1e3:.1f} ms alone, "
+                  f"{r['step_s_with_push'] * 1e3:.1f} ms with a push in flight: "
+                  f"{r['step_s_with_push_over_without']:.2f}x (target < 1.10x)")
     print(f"wrote {out}/results.json, results.csv, tokens_per_s.png")
 
 
