@@ -21,8 +21,9 @@ state_dict() is exactly the prompts handed out.
 End of data: with run.epochs > 0 the stream of a finite task ends. From then on admit hands out only
 requeued groups (a dead generator's), and get_batch returns None once nothing is in flight and the
 complete groups left are fewer than a batch: every full batch the admitted prompts make is trained,
-the remainder (under B groups, logged) is not, like a data loader's drop_last. Dropped groups (stale,
-zero signal, failed) are not generated again. stats() and finish_step() report the stream position
+the remainder (under B groups, logged) is not, like a data loader's drop_last. A group dropped as
+stale has its prompt admitted again before new ones (buffer.retry_stale), so the stream counts as
+ended only once no retry waits; groups dropped as zero signal or failed are not generated again. stats() and finish_step() report the stream position
 as `data_epoch` (epochs drawn, fractional once the epoch length is known).
 """
 
