@@ -11,7 +11,8 @@ the steps the collapse watch flagged, and the wall time. It writes sweep.md (the
 and per task <task>.png (held-out reward, entropy, response length, groups without signal over
 steps) plus sweep.png with every task side by side, into --out. A task "passes" when RL adds at
 least --min-gain sampled reward and greedy reward does not fall. Extra `key=value` arguments
-override the config for every task. Exit code 1 if a run failed or a task did not pass.
+override the config for every task. Exit code 1 if a run failed or a task did not pass. With
+--reuse, a task whose run in --out finished with the same overrides is read instead of rerun.
 """
 
 from __future__ import annotations
@@ -43,13 +44,22 @@ def run_task(task: str, args, out: Path) -> dict:
     overrides = [f"task.name={task}", f"run.out_dir={run_dir}", "run.progress=false", "run.checkpoint_every=0",
                  *([f"run.steps={args.steps}"] if args.steps else []), *args.overrides]
     cfg = load_config(args.config, overrides)  # a bad override or task fails here, before any run
-    print(f"[task_sweep] {task}: {cfg.run.steps} steps ({run_dir / 'run.log'})", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(run_dir / "run.log", "w") as f:
-        code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", args.config, *overrides],
-                              cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-    wall = time.monotonic() - t0
+    done = run_dir / "sweep_run.json"
+    prev = json.loads(done.read_text()) if args.reuse and done.exists() else {}
+    if prev and prev["overrides"] != overrides:
+        print(f"[task_sweep] {task}: not reusing {run_dir}: it ran with other overrides", flush=True)
+    if prev and prev["overrides"] == overrides:
+        code, wall = prev["exit_code"], prev["wall_s"]
+        print(f"[task_sweep] {task}: reusing the finished run in {run_dir}", flush=True)
+    else:
+        print(f"[task_sweep] {task}: {cfg.run.steps} steps ({run_dir / 'run.log'})", flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(run_dir / "run.log", "w") as f:
+            code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", args.config, *overrides],
+                                  cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        wall = time.monotonic() - t0
+        done.write_text(json.dumps({"exit_code": code, "wall_s": wall, "overrides": overrides}))
     rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     evals = [r for r in rows if "eval/reward" in r]
     steps = [r for r in rows if "entropy" in r]
@@ -132,6 +142,8 @@ def main() -> int:
     ap.add_argument("--greedy-slack", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one task's run may take")
     ap.add_argument("--out", default="bench_out/task_sweep")
+    ap.add_argument("--reuse", action="store_true", help="read, not rerun, each task whose run in --out finished "
+                    "(delete a task's directory to rerun it); the table and plots cover every task")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out)

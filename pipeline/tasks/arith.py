@@ -1,7 +1,13 @@
-"""Built-in task: add two small numbers. Prompt `12+7=`, answer `19`.
+"""Built-in task: add two single-digit numbers. Prompt `7+8=`, answer `15` (one or two tokens).
 
 Partial credit: 1 for the exact sum, else the fraction of right digits (aligned from the right)
-scaled down by any length error; non-digits score 0.
+scaled down by any length error; non-digits score 0. The rewards and `answer_of` take any
+non-negative operands (the boxed task asks for two-digit sums).
+
+The whole problem space is 100 sums, so held-out prompts are other draws from the same table: the
+task measures learning an exact table with multi-token answers, not generalisation. Two-digit
+operands (sums with carries) were tried: the tiny default model gained only +0.08 held-out reward
+in 800 steps (docs/task_sweep.md).
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ from typing import Iterator
 
 from pipeline.types import PromptItem
 
+MAX_OPERAND = 9
+
 
 def prompts(seed: int, split: str) -> Iterator[PromptItem]:
     rng = random.Random(seed + (1_000_003 if split == "eval" else 0))
     uid = 0
     while True:
-        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
         yield PromptItem(uid=uid, prompt=f"{a}+{b}=", answer=str(a + b))
         uid += 1
 
