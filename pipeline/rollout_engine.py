@@ -18,7 +18,10 @@ Ordering contract of `update` (generator.on_update):
          Each aborted trajectory resubmits prompt + its tokens so far (re-prefill counted).
 - drain: close the submission gate -> pause(wait) (in-flight finish on the old weights) -> load
          -> label v -> resume -> open the gate. Every trajectory has one version.
-A failed load leaves the engine paused and the generator broken: every later call raises.
+`load()` both loads v and labels the engine's later steps with it (load_into_vllm's finish does);
+the keep pause skips AsyncLLM's 20 ms courtesy sleep (weightsync.load.pause_keep), which would
+otherwise lengthen every update's stall. A failed load leaves the engine paused and the generator
+broken: every later call raises.
 Logic only: no Monarch here (actors/generator.py wraps it).
 """
 
@@ -38,6 +41,7 @@ from pipeline.model import encode_prompt, model_dir
 from pipeline.rollout import (RequestError, RewardScorer, RolloutStats, Trajectory, WorkSource, check_prompt,
                               check_request, spans_to_versions)
 from pipeline.tasks import RewardRejected, load_task
+from pipeline.weightsync.load import pause_keep
 
 log = logging.getLogger(__name__)
 
@@ -377,8 +381,8 @@ class RolloutEngine:
     # ---------------------------------------------------------------- weight updates
 
     async def update(self, version: int, load: Callable[[], Awaitable[None]], on_update: str | None = None) -> int:
-        """Apply the strategy (generator.on_update, or `on_update` for this call) around `load()`;
-        returns the served version or raises."""
+        """Apply the strategy (generator.on_update, or `on_update` for this call) around `load()`, which
+        must load `version` and label the engine with it; returns the served version or raises."""
         self.check()
         if version <= self.version:
             raise ValueError(f"generator {self.gid}: update to version {version}, already serving {self.version}")
@@ -392,7 +396,7 @@ class RolloutEngine:
         t0 = time.monotonic()
         try:
             if mode == "keep":
-                await self._control(self.engine.pause_generation(mode="keep", clear_cache=False), "pause")
+                await self._control(pause_keep(self.engine), "pause")
             elif mode == "abort":
                 self._gate.clear()
                 self._resubmit.update(self._rids.values())
@@ -403,7 +407,6 @@ class RolloutEngine:
                                     self.g.request_timeout_s, "generator.request_timeout_s")
             # the load has its own bound (weight_sync.timeout_s); a dead engine would leave it waiting for it
             await self._control(load(), "weight load", math.inf, "weight_sync.timeout_s")
-            await self._control(self.engine.update_weight_version(str(version)), "version label")
             await self._control(self.engine.resume_generation(), "resume")
         except BaseException as e:
             self._break(RuntimeError(f"weight update to version {version} failed ({type(e).__name__}: {e}); "

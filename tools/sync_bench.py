@@ -7,8 +7,10 @@
 A "trainer" proc (WeightSender) and a "generator" proc (WeightReceiver, plus a vLLM AsyncLLM for the
 tiny model) run as real Monarch actors. Per (transport, model, bucket size) we time pack (snapshot
 copy into the slot), transfer (receiver pull; for collective the concurrent broadcast), load into
-vLLM (tiny model only: start/update/finish with layerwise reload), the generation stall (how long
-requests in flight stay paused around that load, as on_update=keep applies it) and end to end, median over reps
+vLLM (tiny model only: start/update/finish with layerwise reload), the generation stall (from the
+keep pause taking effect until resume returns: no engine step runs meanwhile, as on_update=keep
+applies an update; the wait for the step in progress before it, which still generates, is reported
+apart as pause_wait) and end to end, median over reps
 after one warm-up. Baselines measured in the same run, on the same bytes: a local memcpy in the
 generator proc (the one-host physical limit), one raw `RDMABuffer.read_into` of all bytes, and one
 RDMA read per tensor. Writes table.md, results.csv, results.json and latency.png to --out.
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import ModelConfig, WeightSyncConfig  # noqa: E402
 from pipeline.metrics import write_csv  # noqa: E402
 from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs  # noqa: E402
+from pipeline.weightsync.load import pause_keep  # noqa: E402
 
 SHAPES = {  # Qwen3-like (dim, layers, ffn, vocab, kv_dim)
     "100m": (768, 12, 2048, 32000, 256),
@@ -142,12 +145,12 @@ class BenchReceiver(Actor):
             try:
                 await asyncio.sleep(0.2)  # the requests reach the engine and decode
                 t0 = time.perf_counter()
-                await self.engine.pause_generation(mode="keep", clear_cache=False)
-                t1 = time.perf_counter()
+                await pause_keep(self.engine)  # the generator's keep pause
+                t1 = time.perf_counter()  # from here no engine step runs until resume returns
                 await load_into_vllm(self.engine, r, version, timeout_s=300.0)
                 t2 = time.perf_counter()
                 await self.engine.resume_generation()
-                out.update(load_s=t2 - t1, stall_s=time.perf_counter() - t0)
+                out.update(load_s=t2 - t1, stall_s=time.perf_counter() - t1, pause_wait_s=t1 - t0)
             finally:
                 for b in busy:
                     b.cancel()
@@ -213,7 +216,8 @@ def run_case(sender, receiver, transport: str, size: str, bucket_mb: int, reps: 
             e2e = time.perf_counter() - t0
             transfer = max(push.get("send_s", 0.0), pull["pull_s"])
             rows.append(dict(pack_s=push["pack_s"], transfer_s=transfer, load_s=pull.get("load_s", float("nan")),
-                             stall_s=pull.get("stall_s", float("nan")), e2e_s=e2e))
+                             stall_s=pull.get("stall_s", float("nan")),
+                             pause_wait_s=pull.get("pause_wait_s", float("nan")), e2e_s=e2e))
     finally:
         receiver.close_receiver.call_one(key).get()
         sender.close_sender.call_one(key).get()
@@ -322,7 +326,8 @@ def report(results: list[dict], baselines: dict, out: Path) -> str:
             lines.append(f"- {m}: generation stall per update (keep: requests paused in the engine) at most "
                          f"{worst['stall_s'] * 1e3:.1f} ms = {worst['stall_s'] / worst['load_s']:.2f}x the load "
                          f"({worst['load_s'] * 1e3:.1f} ms; target <= 1.2x; {worst['transport']}, "
-                         f"{worst['bucket_mb']} MiB buckets)")
+                         f"{worst['bucket_mb']} MiB buckets); before it, {worst['pause_wait_s'] * 1e3:.1f} ms "
+                         f"waiting for the engine's step in progress to finish (still generating)")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     (out / "results.json").write_text(json.dumps({"results": results, "baselines": baselines}, indent=1))

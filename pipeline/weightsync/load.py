@@ -14,6 +14,21 @@ def vllm_engine_kwargs() -> dict:
     return {"weight_transfer_config": {"backend": BACKEND}}
 
 
+async def pause_keep(engine) -> None:
+    """Freeze the engine's requests in place (KV caches kept) until `engine.resume_generation()`.
+
+    `AsyncLLM.pause_generation(mode="keep", clear_cache=False)` minus its 20 ms courtesy sleep, which
+    only lets the last outputs of in-flight requests reach their callers before it returns; frozen
+    requests deliver those when they resume, so in keep mode the sleep would only lengthen every
+    update's stall. Returns once the scheduler is paused: the step in progress has finished, and no
+    other step runs until resume."""
+    pause = getattr(getattr(engine, "engine_core", None), "pause_scheduler_async", None)
+    if pause is None:  # not an AsyncLLM (another engine class): its own pause
+        await engine.pause_generation(mode="keep", clear_cache=False)
+    else:
+        await pause(mode="keep", clear_cache=False)
+
+
 INVALID_PREFIX = "invalid-partial-load-of-"
 """Weight version an engine reports after a failed load: it no longer claims any whole version."""
 
@@ -26,8 +41,8 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
     """start_weight_update -> update_weights (views of the staged buckets) -> finish_weight_update.
 
     Pause generation around this call (the generator's `on_update` strategy). On return the
-    engine serves `version` (checked with `get_weight_version`) and `receiver.loaded_version`
-    is set. On any failure it raises WeightLoadError / SyncTimeoutError naming the version and
+    engine serves `version`, and labels the tokens of its later steps with it (finish sets the
+    label; checked with `get_weight_version`), and `receiver.loaded_version` is set. On any failure it raises WeightLoadError / SyncTimeoutError naming the version and
     sets the engine's weight version to `INVALID_PREFIX + str(version)`: the engine may hold a mix
     of old and new weights, so the caller must not resume serving until a later load succeeds.
     """
