@@ -107,7 +107,7 @@ async def push_overlap(trainer, batches: list[Batch], bar) -> dict:
             with_push.append(pushed)
             ratios.append(pushed / plain)
             bar(f"pair {i + 1}/{len(batches)}: {plain * 1e3:.0f} ms alone, {pushed * 1e3:.0f} ms with a push "
-                f"in flight ({ratios[-1]:.2f}x); the push alone {push_s[-1] * 1e3:.0f} ms")
+                f"before it ({ratios[-1]:.2f}x); the push itself {push_s[-1] * 1e3:.0f} ms")
     finally:
         receiver.close()
     med = statistics.median
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=0)
     ap.add_argument("--config", default=None)
     ap.add_argument("--overlap", action="store_true", help="also time steps with and without the previous version's "
-                    "push in flight (the async controller's order), in alternating pairs; target: under 10%% slower")
+                    "push before them (the async controller's order), in alternating pairs; target: under 10%% slower")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
