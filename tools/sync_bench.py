@@ -3,11 +3,14 @@
     .venv/bin/python tools/sync_bench.py --quick                 # ~2 min: tiny + ~100M, 3 bucket sizes
     .venv/bin/python tools/sync_bench.py                         # tiny + ~100M, 1..256 MiB buckets
     .venv/bin/python tools/sync_bench.py --sizes tiny,100m,1b    # adds a ~1B bf16 dict (~8 GiB peak RAM)
+    .venv/bin/python tools/sync_bench.py --sizes 100m-vllm       # a ~100M checkpoint loaded into vLLM
 
 A "trainer" proc (WeightSender) and a "generator" proc (WeightReceiver, plus a vLLM AsyncLLM for the
 tiny model) run as real Monarch actors. Per (transport, model, bucket size) we time pack (snapshot
 copy into the slot), transfer (receiver pull; for collective the concurrent broadcast), load into
-vLLM (tiny model only: start/update/finish with layerwise reload), the generation stall (from the
+vLLM (the checkpoints vLLM can run: `tiny`, and `100m-vllm`, a 768-wide 12-layer Qwen3 with the
+tiny model's character vocabulary, ~76M parameters (302 MB in float32), built locally; one per run;
+start/update/finish with layerwise reload), the generation stall (from the
 keep pause taking effect until resume returns: no engine step runs meanwhile, as on_update=keep
 applies an update; the wait for the step in progress before it, which still generates, is reported
 apart as pause_wait) and end to end, median over reps
@@ -42,10 +45,20 @@ SHAPES = {  # Qwen3-like (dim, layers, ffn, vocab, kv_dim)
 }
 
 
-def make_state_dict(size: str, tiny_dir: str) -> dict[str, torch.Tensor]:
-    if size == "tiny":
+VLLM_SIZES = {"tiny": {}, "100m-vllm": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "ffn_dim": 2048}}
+"""Checkpoints built locally (pipeline.model.ensure_tiny_assets with these shapes) that vLLM loads."""
+
+
+def vllm_model_dir(size: str) -> str:
+    from pipeline.config import TinyModelConfig
+    from pipeline.model import ensure_tiny_assets
+    return str(ensure_tiny_assets(ModelConfig(tiny=TinyModelConfig(**VLLM_SIZES[size]))))
+
+
+def make_state_dict(size: str, hf_dir: str) -> dict[str, torch.Tensor]:
+    if size in VLLM_SIZES:
         from pipeline.model import load_hf_state_dict
-        return load_hf_state_dict(Path(tiny_dir))
+        return load_hf_state_dict(Path(hf_dir))
     dim, layers, ffn, vocab, kv = SHAPES[size]
     sd = {"model.embed_tokens.weight": (vocab, dim)}
     for i in range(layers):
@@ -60,12 +73,12 @@ def make_state_dict(size: str, tiny_dir: str) -> dict[str, torch.Tensor]:
 
 
 class BenchSender(Actor):
-    def __init__(self, tiny_dir: str) -> None:
-        self.tiny_dir, self.sds, self.senders, self.raw = tiny_dir, {}, {}, []
+    def __init__(self, hf_dir: str) -> None:
+        self.hf_dir, self.sds, self.senders, self.raw = hf_dir, {}, {}, []
 
     def _sd(self, size: str) -> dict[str, torch.Tensor]:
         if size not in self.sds:
-            self.sds = {size: make_state_dict(size, self.tiny_dir)}  # keep one size resident
+            self.sds = {size: make_state_dict(size, self.hf_dir)}  # keep one size resident
         return self.sds[size]
 
     @endpoint
@@ -106,13 +119,13 @@ class BenchReceiver(Actor):
         self.receivers, self.engine, self.busy = {}, None, []
 
     @endpoint
-    async def start_engine(self, tiny_dir: str) -> None:
+    async def start_engine(self, hf_dir: str) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # built as a generator with on_update=keep is (no prefix caching), so requests can stay paused
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=tiny_dir, dtype="float32", enforce_eager=True, max_model_len=256, enable_prefix_caching=False,
+            model=hf_dir, dtype="float32", enforce_eager=True, max_model_len=256, enable_prefix_caching=False,
             **vllm_engine_kwargs()))
         self._seq = 0
 
@@ -240,7 +253,8 @@ def run_case(sender, receiver, transport: str, size: str, bucket_mb: int, reps: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 bucket sizes, 2 reps")
-    ap.add_argument("--sizes", default="tiny,100m", help="comma list of tiny,100m,1b")
+    ap.add_argument("--sizes", default="tiny,100m", help="comma list of tiny,100m,1b,100m-vllm "
+                    "(at most one of tiny and 100m-vllm, the sizes loaded into vLLM)")
     ap.add_argument("--transports", default="shm,rdma,collective")
     ap.add_argument("--buckets", default="", help="MiB list; default 1,4,16,64,256 (quick: 1,16,64)")
     ap.add_argument("--reps", type=int, default=0, help="timed reps after one warm-up (default 3, quick 2)")
@@ -249,9 +263,13 @@ def main() -> None:
     args = ap.parse_args()
     from tqdm import tqdm
 
-    from pipeline.model import ensure_tiny_assets
-    tiny_dir = str(ensure_tiny_assets(ModelConfig()))
     sizes, transports = args.sizes.split(","), args.transports.split(",")
+    unknown = [s for s in sizes if s not in (*SHAPES, *VLLM_SIZES)]
+    in_vllm = [s for s in sizes if s in VLLM_SIZES]
+    if unknown or len(in_vllm) > 1:
+        raise SystemExit(f"sync_bench: --sizes {args.sizes}: " + (f"unknown {unknown}" if unknown else
+                         f"one vLLM engine per run: pick one of {in_vllm}"))
+    hf_dir = vllm_model_dir(in_vllm[0] if in_vllm else "tiny")
     buckets = [int(b) for b in (args.buckets or ("1,16,64" if args.quick else "1,4,16,64,256")).split(",")]
     reps = args.reps or (2 if args.quick else 3)
     out = Path(args.out)
@@ -259,12 +277,12 @@ def main() -> None:
 
     trainer_procs = this_host().spawn_procs(per_host={"procs": 1})
     gen_procs = this_host().spawn_procs(per_host={"procs": 1})
-    sender = trainer_procs.spawn("bench_sender", BenchSender, tiny_dir)
+    sender = trainer_procs.spawn("bench_sender", BenchSender, hf_dir)
     receiver = gen_procs.spawn("bench_receiver", BenchReceiver)
-    load = "tiny" in sizes and not args.no_vllm
+    load = bool(in_vllm) and not args.no_vllm
     if load:
         print("starting vLLM engine in the generator proc ...", flush=True)
-        receiver.start_engine.call_one(tiny_dir).get()
+        receiver.start_engine.call_one(hf_dir).get()
     results, baselines = [], {}
     cases = [(s, t, b) for s in sizes for t in transports for b in buckets]
     bar = tqdm(total=len(cases) + len(sizes), desc="sync_bench", unit="case")
@@ -281,7 +299,7 @@ def main() -> None:
             bar.update(1)
             for s, t, b in [c for c in cases if c[0] == size]:
                 bar.set_postfix_str(f"{s} {t} {b} MiB")
-                results.append(run_case(sender, receiver, t, s, b, reps, load and s == "tiny"))
+                results.append(run_case(sender, receiver, t, s, b, reps, load and s in VLLM_SIZES))
                 bar.update(1)
     finally:
         bar.close()
