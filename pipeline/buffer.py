@@ -43,7 +43,8 @@ rejects could generate it. In steady state the bound caps useful over-commitment
 stats() reports the Δ admission lets through as `delta_effective` and counts the steps where the
 controller's Δ exceeded it as `delta_capped_steps`.
 
-Staleness = v − min(token versions); a sample without completion tokens is fresh. It is checked
+Staleness = v − min(model token versions); a sample without model tokens is fresh (environment
+tokens of a multi-turn rollout, version -1, carry no policy version and are not trained on). It is checked
 when the version changes and when a sample arrives. It never decreases, so dropping a group as soon
 as it exceeds η gives the same result as dropping it at batch time, and frees its slot sooner.
 Samples still arriving for a group dropped in flight are ignored and counted as `late_rollouts`.
@@ -105,7 +106,9 @@ class _Group:
 
 
 def _staleness(r: Rollout, version: int) -> int:
-    return version - min(r.versions) if r.versions else 0
+    """Trainer version minus the oldest model token's version (environment tokens have none)."""
+    oldest = r.min_version
+    return 0 if oldest is None else version - oldest
 
 
 class ReplayBufferCore:
@@ -275,7 +278,7 @@ class ReplayBufferCore:
             r.validate()
         except ValueError as e:
             return "invalid", str(e)
-        if r.max_version > self.version:
+        if r.max_version is not None and r.max_version > self.version:
             return "future_version", (f"{where}: token version {r.max_version} is newer than the "
                                       f"trainer version {self.version}")
         if r.group_id in self._late and r.sample_idx in self._late[r.group_id]:
@@ -351,10 +354,10 @@ class ReplayBufferCore:
         for i, (r, _, _) in enumerate(samples):
             p, c = len(r.prompt_tokens), len(r.completion_tokens)
             input_ids[i, :p + c] = torch.tensor(r.prompt_tokens + r.completion_tokens, dtype=torch.int64)
-            if c:
-                loss_mask[i, p:p + c] = 1.0
-                logprobs[i, p:p + c] = torch.tensor(r.logprobs, dtype=torch.float32)
+            if c:  # environment tokens (version -1, multi-turn) stay out of the loss
                 versions[i, p:p + c] = torch.tensor(r.versions, dtype=torch.int64)
+                loss_mask[i, p:p + c] = (versions[i, p:p + c] >= 0).float()
+                logprobs[i, p:p + c] = torch.tensor(r.logprobs, dtype=torch.float32)
             self.staleness_hist[_staleness(r, self.version)] += 1
         self.trained_groups += B
         self.batches += 1

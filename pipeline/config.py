@@ -405,7 +405,22 @@ class TaskConfig:
     max_reject_frac: float = 0.2
     """The run stops when more than this fraction of a generator's recent samples (its last 200,
     once 20 were seen) were rejected: a reward that raised, was NaN/inf or not a number, timed out,
-    or a prompt that was empty, too long or not tokenisable (0 < x <= 1; 1 never stops)."""
+    an environment that raised or timed out, or a prompt that was empty, too long or not
+    tokenisable (0 < x <= 1; 1 never stops)."""
+    env: str = ""
+    """Multi-turn: dotted path of an environment factory `env(item) -> Env` (pipeline/envs.py); empty:
+    the task's own `env` if it has one, else single-turn."""
+    max_turns: int = 4
+    """Multi-turn: model turns per rollout (1..256); the episode ends after the last one."""
+    max_total_tokens: int = 64
+    """Multi-turn: completion tokens per rollout, model and environment together (1..131072); a turn
+    gets at most generator.max_new_tokens of them."""
+    max_obs_tokens: int = 32
+    """Multi-turn: tokens one observation may add (1..131072); longer ones are cut and counted as
+    obs_truncated."""
+    env_timeout_s: float = 10.0
+    """Seconds one environment call (env(item), step) may run (> 0); past it the sample is rejected
+    as env_timeout. Calls run on threads off the event loop, like rewards."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")
@@ -413,6 +428,11 @@ class TaskConfig:
         _check(self.reward_timeout_s > 0, "task.reward_timeout_s", self.reward_timeout_s, "> 0")
         _check(1 <= self.reward_workers <= 256, "task.reward_workers", self.reward_workers, "1..256")
         _check(0 < self.max_reject_frac <= 1, "task.max_reject_frac", self.max_reject_frac, "0 < x <= 1")
+        _check(not self.env or "." in self.env, "task.env", self.env, "a dotted path like 'pkg.module.factory', or empty")
+        _check(1 <= self.max_turns <= 256, "task.max_turns", self.max_turns, "1..256")
+        _check(1 <= self.max_total_tokens <= 131072, "task.max_total_tokens", self.max_total_tokens, "1..131072")
+        _check(1 <= self.max_obs_tokens <= 131072, "task.max_obs_tokens", self.max_obs_tokens, "1..131072")
+        _check(self.env_timeout_s > 0, "task.env_timeout_s", self.env_timeout_s, "> 0")
         for key in ("path", "eval_path"):
             value = getattr(self, key)
             if value:  # absolute: every process (generators, buffer) reads the same file whatever its cwd

@@ -374,9 +374,17 @@ class Pipeline:
         seqs, masks = [], []
         for it in items:
             p = encode_prompt(self.tokenizer, it.prompt)  # as the generators do: the same tokens in RL
-            c = encode_completion(self.tokenizer, self.task.demonstration(it)) + [EOS_ID]
-            seqs.append(p + c)
-            masks.append([0.0] * len(p) + [1.0] * len(c))
+            demo = self.task.demonstration(it)
+            # a str: one model turn; a list (multi-turn): model turn, observation, model turn, ...,
+            # laid out as the generators lay out a rollout: each model turn ends with EOS and is
+            # trained on, each observation is tokenised on its own and masked out (pipeline/envs.py)
+            seq, mask = list(p), [0.0] * len(p)
+            for k, text in enumerate([demo] if isinstance(demo, str) else list(demo)):
+                ids = encode_completion(self.tokenizer, text) + ([EOS_ID] if k % 2 == 0 else [])
+                seq += ids
+                mask += [1.0 if k % 2 == 0 else 0.0] * len(ids)
+            seqs.append(seq)
+            masks.append(mask)
         t = max(map(len, seqs))
         ids = torch.tensor([s + [PAD_ID] * (t - len(s)) for s in seqs])
         mask = torch.tensor([m + [0.0] * (t - len(m)) for m in masks])

@@ -49,13 +49,16 @@ def _restart_log(path: Path, resume_step: int | None) -> None:
 
 def trained_samples(batch: Batch, decode: Callable[[list[int]], str], k: int, pad_id: int = 0) -> list[dict]:
     """k rows of a trained batch, spread over it (rows j*N//k, so over several groups), for the rollouts
-    log. Layout (pipeline/types.py): prompt tokens, completion tokens (loss_mask 1), then pad_id.
-    `versions` has one entry per completion token; staleness is trainer_version - min(versions)."""
+    log. Layout (pipeline/types.py): prompt tokens, completion tokens (loss_mask 1), then pad_id; a
+    multi-turn completion runs from the first model token to the last, observations included
+    (loss_mask 0, version -1). `versions` has one entry per completion token; staleness is
+    trainer_version - min(model token versions)."""
     n, stale, rows = batch.num_samples, batch.staleness(), []
     k = min(k, n)
     for i in (j * n // k for j in range(k)):  # distinct and increasing, as k <= n
         ids, mask = batch.input_ids[i], batch.loss_mask[i] > 0
         done = mask.nonzero().flatten().tolist()
+        span = slice(done[0], done[-1] + 1) if done else slice(0, 0)
         if done:
             prompt = ids[:done[0]].tolist()
         else:  # no completion token: the prompt is the row up to its padding
@@ -65,7 +68,7 @@ def trained_samples(batch: Batch, decode: Callable[[list[int]], str], k: int, pa
         rows.append({"group_id": batch.group_ids[i], "trainer_version": batch.trainer_version,
                      "staleness": int(stale[i]), "reward": float(batch.rewards[i]),
                      "advantage": float(batch.advantages[i]), "prompt": decode(prompt),
-                     "completion": decode(ids[mask].tolist()), "versions": batch.versions[i][mask].tolist()})
+                     "completion": decode(ids[span].tolist()), "versions": batch.versions[i][span].tolist()})
     return rows
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 from pipeline.tasks import RewardRejected, Task
-from pipeline.types import PromptGroup, Rollout
+from pipeline.types import ENV_VERSION, PromptGroup, Rollout
 
 __all__ = ["RequestError", "Trajectory", "RolloutStats", "RewardScorer", "WorkSource", "spans_to_versions",
            "check_prompt", "check_request", "reject_rate_problem", "REJECT_WINDOW", "REJECT_MIN_SAMPLES"]
@@ -116,6 +116,9 @@ class Trajectory:
     segments: int = 0
     reprefill_tokens: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    env: object = None  # multi-turn: this rollout's environment (pipeline/envs.py), made before turn 1
+    turns: int = 0  # model turns finished
+    turn_start: int = 0  # index in `tokens` where the current model turn began
 
     @property
     def key(self) -> str:
@@ -126,8 +129,10 @@ class Trajectory:
         return list(self.prompt_tokens) + self.tokens
 
     def begin_segment(self) -> None:
-        """Count a resubmission's re-prefill (the earlier tokens are processed again)."""
-        if self.segments > 0:
+        """Count a resubmission's re-prefill (the earlier tokens are processed again): a segment that
+        continues a turn cut short (an abort, a carried-over partial), not a multi-turn rollout's
+        next turn, whose context is what any multi-turn engine processes."""
+        if self.segments > 0 and self.turn_tokens():
             self.reprefill_tokens += len(self.prompt_tokens) + len(self.tokens)
         self.segments += 1
 
@@ -138,6 +143,18 @@ class Trajectory:
         self.tokens.extend(token_ids)
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
+
+    def turn_tokens(self) -> list[int]:
+        """The current model turn's tokens so far."""
+        return self.tokens[self.turn_start:]
+
+    def extend_env(self, token_ids: list[int]) -> None:
+        """Append an environment observation (not sampled: version ENV_VERSION, logprob 0) and start
+        the next model turn after it."""
+        self.tokens.extend(token_ids)
+        self.logprobs.extend([0.0] * len(token_ids))
+        self.versions.extend([ENV_VERSION] * len(token_ids))
+        self.turn_start = len(self.tokens)
 
     def to_rollout(self, completion: str, finish_reason: str, reward: float, generator_id: int) -> Rollout:
         r = Rollout(group_id=self.group.group_id, sample_idx=self.sample_idx, prompt=self.group.item.prompt,
@@ -170,12 +187,19 @@ class RewardScorer:
         self.overdue = 0
 
     async def score(self, prompt: str, completion: str) -> float:
-        t = self.timeout_s
+        return await self.call(self.task.reward, prompt, completion)
+
+    async def call(self, fn, *args, kind: str = "reward", timeout_s: float | None = None):
+        """`fn(*args)` on a worker thread, bounded by `timeout_s` (default: the scorer's); a failure
+        raises RewardRejected with reason `<kind>_raised` or `<kind>_timeout` (an environment's calls
+        use kind="env"). A RewardRejected that `fn` raises is passed on as it is."""
+        t = timeout_s or self.timeout_s
+        key = "task.reward_timeout_s" if kind == "reward" else f"task.{kind}_timeout_s"
         try:
             await asyncio.wait_for(self._slots.acquire(), t)
         except asyncio.TimeoutError:
-            raise RewardRejected("reward_timeout", f"no reward worker free within {t:g}s (task.reward_timeout_s); "
-                                                   f"{self.overdue} reward call(s) still running past it") from None
+            raise RewardRejected(f"{kind}_timeout", f"no {kind} worker free within {t:g}s ({key}); "
+                                                    f"{self.overdue} {kind} call(s) still running past it") from None
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         late = False
@@ -190,25 +214,24 @@ class RewardScorer:
 
         def run() -> None:
             try:
-                result = (self.task.reward(prompt, completion), None)
+                result = (fn(*args), None)
             except BaseException as e:  # anything the plug-in raises is that sample's fault
                 result = (None, e)
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
                 loop.call_soon_threadsafe(finished, result)
 
-        threading.Thread(target=run, name="reward", daemon=True).start()
+        threading.Thread(target=run, name=kind, daemon=True).start()
         try:
             value, err = await asyncio.wait_for(asyncio.shield(done), t)
         except asyncio.TimeoutError:
             if not done.done():
                 late = True
                 self.overdue += 1
-            raise RewardRejected("reward_timeout",
-                                 f"reward still running after {t:g}s (task.reward_timeout_s)") from None
+            raise RewardRejected(f"{kind}_timeout", f"{kind} still running after {t:g}s ({key})") from None
         if isinstance(err, RewardRejected):
             raise err
         if err is not None:
-            raise RewardRejected("reward_raised", f"{type(err).__name__}: {err}") from err
+            raise RewardRejected(f"{kind}_raised", f"{type(err).__name__}: {err}") from err
         return value
 
 
@@ -235,6 +258,8 @@ class RolloutStats:
     carried_tokens: int = 0
     busy_s: float = 0.0
     pauses_s: list[float] = field(default_factory=list)
+    turns: int = 0  # model turns of finished multi-turn rollouts
+    obs_truncated: int = 0  # environment observations cut to task.max_obs_tokens
     failed: Counter = field(default_factory=Counter)  # bad requests (prompts) by reason
     rejected: Counter = field(default_factory=Counter)  # rejected rewards by reason
     eval_skipped: Counter = field(default_factory=Counter)  # eval prompts skipped, by reason
@@ -283,6 +308,8 @@ class RolloutStats:
             "reprefill_tokens": self.reprefill_tokens,
             "carried_samples": self.carried_samples,
             "carried_tokens": self.carried_tokens,
+            "turns": self.turns,
+            "obs_truncated": self.obs_truncated,
             "updates": len(self.pauses_s),
             "pause_s": list(self.pauses_s),
             "pause_s_mean": sum(self.pauses_s) / len(self.pauses_s) if self.pauses_s else 0.0,

@@ -37,10 +37,11 @@ from collections import deque
 from typing import Awaitable, Callable
 
 from pipeline.config import Config
-from pipeline.model import encode_prompt, model_dir
+from pipeline.model import encode_completion, encode_prompt, model_dir
 from pipeline.rollout import (RequestError, RewardScorer, RolloutStats, Trajectory, WorkSource, check_prompt,
                               check_request, spans_to_versions)
 from pipeline.tasks import RewardRejected, load_task
+from pipeline.types import PromptGroup, PromptItem
 from pipeline.weightsync.load import pause_keep
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class RolloutEngine:
         self.cfg, self.g, self.gid = cfg, cfg.generator, generator_id
         self.task = load_task(cfg.task.name, cfg.task)
         self.scorer = RewardScorer(self.task, cfg.task.reward_timeout_s, cfg.task.reward_workers)
+        # environment calls get their own workers, two per rollout in flight (one more for a call
+        # still running past its timeout): a hung tool does not starve rewards or other rollouts at once
+        self.env_calls = RewardScorer(self.task, cfg.task.env_timeout_s, 2 * cfg.generator.concurrency)
         self.engine = None
         self.tok = None
         self.version = 0
@@ -221,10 +225,14 @@ class RolloutEngine:
         bounded by task.reward_timeout_s) and send it. A reward that cannot be used rejects the
         sample and gives its group back; the generator goes on."""
         try:
-            finish = await self._generate(traj)
+            finish = await self._episode(traj, self._generate)
         except RequestError as e:
             self._release_slot(traj)
             await self._fail_group(traj, e)
+            return
+        except RewardRejected as e:  # the environment raised or timed out: this sample alone
+            self._release_slot(traj)
+            await self._reject_sample(traj, self.tok.decode(traj.tokens, skip_special_tokens=True), e)
             return
         except asyncio.CancelledError:
             self._release_slot(traj)
@@ -253,6 +261,7 @@ class RolloutEngine:
                 return  # a sibling was rejected while this one was scored
             rollout = traj.to_rollout(completion, finish, reward, self.gid)
             self.stats.rollouts += 1
+            self.stats.turns += traj.turns
             self.stats.accept()
             await self.source.add(rollout)
         except asyncio.CancelledError:
@@ -272,10 +281,10 @@ class RolloutEngine:
                                    f"{self.g.request_timeout_s:.0f}s") from None
             if self._saving:
                 return "saved"
-            budget = min(traj.group.item.max_new_tokens or self.g.max_new_tokens, self.g.max_new_tokens)
-            room = min(budget - len(traj.tokens), self.g.max_model_len - len(traj.context()))
+            room = self._turn_room(traj, min(traj.group.item.max_new_tokens or self.g.max_new_tokens,
+                                             self.g.max_new_tokens))
             if traj.tokens and room < 1:
-                return "length"  # a resumed partial that already fills its budget
+                return "length"  # a resumed partial (or a later turn) that already fills its budget
             rid = f"gen{self.gid}-{traj.key}-{next(self._seq)}"
             finish = await self._segment(traj, rid, room)
             if finish != "abort":
@@ -287,6 +296,49 @@ class RolloutEngine:
             if self._saving:
                 return "saved"
             raise RuntimeError(f"{traj.key}: request {rid} was aborted by the engine for no known reason")
+
+    def _turn_room(self, traj: Trajectory, budget: int) -> int:
+        """Tokens the current model turn may still add: its budget, the context, and for a multi-turn
+        rollout task.max_total_tokens."""
+        room = min(budget - len(traj.turn_tokens()), self.g.max_model_len - len(traj.context()))
+        if self.task.env is not None:
+            room = min(room, self.cfg.task.max_total_tokens - len(traj.tokens))
+        return room
+
+    async def _episode(self, traj: Trajectory, turn: Callable[[Trajectory], Awaitable[str]]) -> str:
+        """Model turns (each `await turn(traj)`) and, for a task with an environment, observations
+        between them, until the environment ends the episode or a limit is reached (pipeline/envs.py).
+        Returns the last turn's finish reason, or 'saved' when a stage end carried the trajectory
+        over (it resumes its current turn). RewardRejected (env_raised, env_timeout,
+        env_bad_observation) if the environment fails."""
+        if self.task.env is None:
+            return await turn(traj)
+        tc = self.cfg.task
+        if traj.env is None:
+            traj.env = await self.env_calls.call(self.task.env, traj.group.item, kind="env")
+        while True:
+            finish = await turn(traj)
+            if finish == "saved":
+                return finish
+            traj.turns += 1
+            if traj.turns >= tc.max_turns or len(traj.tokens) >= tc.max_total_tokens:
+                return finish
+            text = self.tok.decode(traj.turn_tokens(), skip_special_tokens=True)
+            obs = await self.env_calls.call(traj.env.step, text, kind="env")
+            if obs is None:
+                return finish
+            if not isinstance(obs, str):
+                raise RewardRejected("env_bad_observation", f"step returned {type(obs).__name__}, "
+                                                            "not a str (an observation) or None (the end)")
+            ids = encode_completion(self.tok, obs)
+            room = min(tc.max_obs_tokens, tc.max_total_tokens - len(traj.tokens),
+                       self.g.max_model_len - 1 - len(traj.context()))
+            if len(ids) > room:
+                ids = ids[:max(room, 0)]
+                self.stats.obs_truncated += 1
+            traj.extend_env(ids)
+            if len(traj.tokens) >= tc.max_total_tokens or len(traj.context()) >= self.g.max_model_len - 1:
+                return "length"  # no room left for another model turn
 
     async def _segment(self, traj: Trajectory, rid: str, max_tokens: int) -> str:
         from vllm import SamplingParams
@@ -311,6 +363,9 @@ class RolloutEngine:
                                "(generator.request_timeout_s)") from None
         except ValueError as e:  # vLLM's input validation (VLLMValidationError is a ValueError)
             raise RequestError("rejected_by_engine", f"{traj.key}: {e}") from e
+        finally:  # out of the engine (a multi-turn rollout may now wait for its environment)
+            if self._rids.get(traj.key) == rid:
+                del self._rids[traj.key]
         if final is None or not final.finished:
             raise RuntimeError(f"{traj.key}: request {rid} ended without a final output")
         c = final.outputs[0]
@@ -453,29 +508,40 @@ class RolloutEngine:
         check_request(1, max_new_tokens, temperature, 1.0, self.g.max_model_len)  # the sampling values
 
         async def one(i: int, prompt: str) -> str:
-            ids = list(self._prompt_tokens(prompt))
-            room = min(max_new_tokens, self.g.max_model_len - len(ids))
-            sp = SamplingParams(max_tokens=room, temperature=temperature, seed=seed + i if temperature > 0 else None)
-            final = None
-            try:
-                async with asyncio.timeout(self.g.request_timeout_s):
-                    async for out in self.engine.generate({"prompt_token_ids": ids}, sp,
-                                                          request_id=f"eval{self.gid}-{next(self._seq)}-{i}"):
-                        final = out
-            except ValueError as e:  # vLLM's input validation (VLLMValidationError is a ValueError)
-                raise RequestError("rejected_by_engine", str(e)) from e
-            return self.tok.decode(list(final.outputs[0].token_ids), skip_special_tokens=True)
+            traj = Trajectory(PromptGroup(-1, PromptItem(uid=i, prompt=prompt), 1, self.version), 0,
+                              self._prompt_tokens(prompt))
 
+            async def turn(t: Trajectory) -> str:  # a multi-turn task's eval runs its environment too
+                room = self._turn_room(t, max_new_tokens)
+                if room < 1:
+                    return "length"
+                sp = SamplingParams(max_tokens=room, temperature=temperature,
+                                    seed=seed + i + 7919 * t.turns if temperature > 0 else None)
+                final = None
+                try:
+                    async with asyncio.timeout(self.g.request_timeout_s):
+                        async for out in self.engine.generate({"prompt_token_ids": t.context()}, sp,
+                                                              request_id=f"eval{self.gid}-{next(self._seq)}-{i}"):
+                            final = out
+                except ValueError as e:  # vLLM's input validation (VLLMValidationError is a ValueError)
+                    raise RequestError("rejected_by_engine", str(e)) from e
+                ids = list(final.outputs[0].token_ids)
+                t.extend(ids, [0.0] * len(ids), [self.version] * len(ids))
+                return str(final.outputs[0].finish_reason)
+
+            await self._episode(traj, turn)
+            return self.tok.decode(traj.tokens, skip_special_tokens=True)
+
+        skip = (RequestError, RewardRejected)  # a bad prompt; an environment that failed on this prompt
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True)
         for r in results:
-            if isinstance(r, RequestError):
+            if isinstance(r, skip):
                 self.stats.eval_skipped[r.reason] += 1
-        bad = [(i, r) for i, r in enumerate(results)
-               if isinstance(r, BaseException) and not isinstance(r, RequestError)]
+        bad = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException) and not isinstance(r, skip)]
         if bad:
             raise RuntimeError("; ".join(f"eval prompt {i} ({prompts[i][:40]!r}): {type(r).__name__}: {r}"
                                          for i, r in bad)) from bad[0][1]
-        return [None if isinstance(r, RequestError) else r for r in results]
+        return [None if isinstance(r, skip) else r for r in results]
 
     def snapshot(self) -> dict:
         if self._broken is None and self.engine is not None and self.engine.errored:

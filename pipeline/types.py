@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+ENV_VERSION = -1
+"""Version of a token the environment wrote (a multi-turn observation): not sampled, not trained."""
+
+
 @dataclass(frozen=True)
 class PromptItem:
     """One prompt from a task's source; `uid` is unique within one pass over a split (epochs repeat it)."""
@@ -44,7 +48,9 @@ class PromptGroup:
 class Rollout:
     """One finished (or carried-over partial) sample with per-token provenance.
 
-    `logprobs[k]` and `versions[k]` belong to `completion_tokens[k]`.
+    `logprobs[k]` and `versions[k]` belong to `completion_tokens[k]`. In a multi-turn rollout the
+    completion interleaves model turns and environment observations: an environment token has
+    version ENV_VERSION (-1) and logprob 0, is fed to the model as context and never trained on.
     """
 
     group_id: int
@@ -76,17 +82,25 @@ class Rollout:
             raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: reward is {self.reward}")
         if any(not math.isfinite(x) for x in self.logprobs):
             raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: non-finite behaviour logprob")
-        if any(v < 0 for v in self.versions):
+        if any(v < ENV_VERSION for v in self.versions):
             raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: negative policy version")
+        if any(v == ENV_VERSION and lp != 0.0 for v, lp in zip(self.versions, self.logprobs)):
+            raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: an environment token "
+                             "(version -1) with a behaviour logprob")
 
     @property
-    def min_version(self) -> int:
-        """Oldest policy that wrote any token; a rollout with no tokens counts as fresh (-1 never happens)."""
-        return min(self.versions) if self.versions else 0
+    def model_versions(self) -> list[int]:
+        """Versions of the tokens the policy sampled (environment tokens left out)."""
+        return [v for v in self.versions if v != ENV_VERSION]
 
     @property
-    def max_version(self) -> int:
-        return max(self.versions) if self.versions else 0
+    def min_version(self) -> int | None:
+        """Oldest policy that sampled any token; None for a rollout without model tokens (fresh)."""
+        return min(self.model_versions, default=None)
+
+    @property
+    def max_version(self) -> int | None:
+        return max(self.model_versions, default=None)
 
 
 @dataclass(frozen=True)

@@ -345,3 +345,31 @@ def test_a_stale_groups_prompt_is_admitted_again_before_new_ones_and_survives_a_
     off.add(rollout(g, 0, versions=(0, 0)))
     off.set_trainer_version(1)
     assert off.dropped_groups == {"stale": 1} and not off.has_retry()
+
+
+def test_environment_tokens_are_masked_out_and_carry_no_staleness():
+    """A multi-turn rollout: model turn (v0), observation (-1), model turn (v1). The observation is
+    context, not trained on; staleness is the oldest model token's."""
+    buf = ReplayBufferCore(cfg(normalize_std=False, max_staleness=1), pad_id=PAD)
+    g0, g1 = admit(buf, 2)
+    buf.set_trainer_version(1)
+    turns = (0, 0, -1, -1, -1, 1, 1)
+    lps = (-0.5, -0.6, 0.0, 0.0, 0.0, -0.7, -0.8)
+    for gid in (g0, g1):
+        for i in range(2):
+            buf.add(rollout(gid, i, reward=float(i), versions=turns, logprobs=lps))
+    b = buf.take_batch()
+    p = 2
+    assert b.loss_mask[0, p:p + 7].tolist() == [1, 1, 0, 0, 0, 1, 1]
+    assert b.versions[0, p:p + 7].tolist() == list(turns)
+    assert b.behaviour_logprobs[0, p:p + 7].tolist() == pytest.approx(list(lps))
+    assert b.staleness().tolist() == [1, 1, 1, 1]
+    assert b.num_tokens == 4 * 4
+
+
+def test_environment_token_with_a_logprob_is_invalid():
+    bad = rollout(0, 0, versions=(0, -1), logprobs=(-0.5, -0.1))
+    with pytest.raises(ValueError, match="environment token"):
+        bad.validate()
+    with pytest.raises(ValueError, match="negative policy version"):
+        rollout(0, 0, versions=(0, -2), logprobs=(-0.5, 0.0)).validate()

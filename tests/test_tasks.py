@@ -100,3 +100,33 @@ def test_prompt_stream_position_is_checkpointable():
     s2.load_state_dict(state)
     assert [next(s2) for _ in range(5)] == expected
     assert first[0].uid == 0 and expected[0].uid == 7
+
+
+def test_calc_tool_task_episode_and_reward():
+    from pipeline.model import CHARS
+
+    task = load_task("pipeline.tasks.calc")
+    for item in take(task, seed=3, split="train", n=20):
+        demo = task.demonstration(item)  # model turn, observation, model turn
+        env = task.env(item)
+        assert env.step(demo[0]) == demo[1]  # the tool call gets the observation the demo shows
+        assert env.step(demo[2]) is None  # a final answer ends the episode
+        assert task.reward(item.prompt, "".join(demo)) == 1.0
+        assert set(item.prompt + "".join(demo)) <= set(CHARS)
+    env = task.env(take(task, 0, "train", 1)[0])
+    assert env.step("?12*") == ":error;" and env.step("?2**99") == ":error;"  # a tool error is an observation
+    assert task.reward("mul 12*3=", "?12*3:36;36") == 1.0
+    assert task.reward("mul 12*3=", "?12*3:36;") == 0.0  # no final answer after the tool's result
+    assert 0 < task.reward("mul 12*3=", "?12*3:36;16") < 1
+
+
+def test_env_is_a_plug_in_by_dotted_path():
+    from pipeline.config import TaskConfig
+
+    task = load_task("pipeline.tasks.reverse", TaskConfig(name="pipeline.tasks.reverse", env="pipeline.tasks.calc.env"))
+    assert task.env is not None and task.reward("rev ab=", "ba") == 1.0  # the task's prompts and reward stay
+    assert load_task("pipeline.tasks.reverse").env is None  # single-turn unless asked
+    with pytest.raises(TaskError, match="no attribute"):
+        load_task("pipeline.tasks.reverse", TaskConfig(name="pipeline.tasks.reverse", env="pipeline.tasks.calc.nope"))
+    with pytest.raises(TaskError, match="not callable"):
+        load_task("pipeline.tasks.reverse", TaskConfig(name="pipeline.tasks.reverse", env="pipeline.tasks.calc.CALL"))

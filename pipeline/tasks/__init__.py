@@ -5,6 +5,7 @@ A task is any importable module (or object) named in config by dotted path (`tas
     def prompts(seed: int, split: str) -> Iterable[PromptItem]   # split: "train" | "eval"
     def reward(prompt: str, completion: str) -> float           # in [0, 1], partial credit allowed
     def demonstration(item: PromptItem) -> str                  # optional: the ideal completion
+    def env(item: PromptItem) -> Env                             # optional: multi-turn (pipeline/envs.py)
 
 so a user's task lives outside this repository. A task that needs its config (a data file, say)
 provides instead a factory `from_config(cfg: TaskConfig)` returning the object with those functions
@@ -87,7 +88,9 @@ class Task:
     name: str
     prompts: Callable[[int, str], Iterable[PromptItem]]
     reward_fn: Callable[[str, str], float]
-    demonstration: Callable[[PromptItem], str] | None = None
+    demonstration: Callable[[PromptItem], Any] | None = None
+    env: Callable[[PromptItem], Any] | None = None
+    """Multi-turn environment factory (task.env, else the task's own `env`); None: single-turn."""
 
     def reward(self, prompt: str, completion: str) -> float:
         """The plug-in's reward, checked; RewardRejected (reward_raised, reward_nan,
@@ -134,7 +137,15 @@ def load_task(path: str, cfg: TaskConfig | None = None) -> Task:
         raise TaskError(f"task {path!r}: missing callable(s) {', '.join(missing)}; a task provides "
                         "prompts(seed, split) and reward(prompt, completion)")
     demo = getattr(obj, "demonstration", None)
-    return Task(name=path, prompts=obj.prompts, reward_fn=obj.reward, demonstration=demo if callable(demo) else None)
+    env = getattr(obj, "env", None)
+    if cfg is not None and cfg.env:
+        env = _resolve(cfg.env)
+        if not callable(env):
+            raise TaskError(f"task.env={cfg.env!r}: not callable; an environment factory is env(item) -> Env")
+    elif env is not None and not callable(env):
+        raise TaskError(f"task {path!r}: its `env` is not callable; an environment factory is env(item) -> Env")
+    return Task(name=path, prompts=obj.prompts, reward_fn=obj.reward, demonstration=demo if callable(demo) else None,
+                env=env)
 
 
 def open_task(cfg: TaskConfig, evaluate: bool) -> Task:

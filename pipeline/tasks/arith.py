@@ -38,7 +38,12 @@ def answer_of(prompt: str) -> str:
 
 
 def reward(prompt: str, completion: str) -> float:
-    target = answer_of(prompt)
+    return digit_credit(answer_of(prompt), completion)
+
+
+def digit_credit(target: str, completion: str) -> float:
+    """1 for `target` exactly, else the fraction of right digits (aligned from the right) scaled down by
+    any length error; 0 for anything but digits."""
     got = completion.strip()
     if got == target:
         return 1.0

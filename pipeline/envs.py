@@ -1,0 +1,54 @@
+"""Multi-turn environments: a rollout as a sequence of model turns and environment observations.
+
+A task becomes multi-turn with an environment factory, its own `env` or any dotted path in
+`task.env` (so a sandbox or a search tool lives outside this repository):
+
+    def env(item: PromptItem) -> Env          # one environment per rollout, made before its first turn
+
+    class Env:
+        def step(self, turn: str) -> str | None
+            # `turn`: the model's last turn as text (special tokens dropped). Return the observation
+            # to show the model next (appended as tokens, then the model's next turn), or None: the
+            # episode ends. A tool error should come back as an observation ("error: ..."), which
+            # the model sees and can learn from; an exception fails the rollout instead.
+
+Layout and token flow (pipeline/rollout_engine.py drives it). The completion of a multi-turn rollout
+is `turn_1 obs_1 turn_2 obs_2 ... turn_k`: model tokens carry their behaviour logprobs and per-token
+versions, observation tokens version ENV_VERSION (-1) and logprob 0, so the buffer leaves them out of
+the loss and of staleness. Token in, token out: each turn is generated from the exact token sequence
+so far (prompt, every model token the engine returned, EOS included, every observation token), never
+from re-tokenised text; an observation is tokenised once, on its own, with no special tokens.
+
+Limits per rollout (task section): `max_turns` model turns, `max_total_tokens` completion tokens
+(model and environment), each turn at most generator.max_new_tokens, each observation at most
+`max_obs_tokens` (cut, counted as obs_truncated). The reward is the task's `reward(prompt,
+transcript)` of the whole transcript (model turns and observations as text) once the episode ends:
+group advantages use this final reward; there are no per-turn rewards.
+
+Faults stay with the rollout: `env(item)` or `step` that raises, or runs past `task.env_timeout_s`
+(both run on worker threads off the actor's event loop), rejects the sample as env_raised or
+env_timeout and gives its group back, counted with the rejected rewards (task.max_reject_frac).
+
+Weight updates between or within turns behave as for single-turn rollouts: keep, abort and drain
+apply to the turn in flight, `carry_over=save` keeps the whole trajectory (environment included) and
+resumes its current turn first; a rollout whose turns ran on two versions carries both, and its
+staleness is the oldest model token's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pipeline.types import ENV_VERSION, PromptItem
+
+__all__ = ["Env", "EnvFactory", "ENV_VERSION", "ENV_REASONS"]
+
+ENV_REASONS = ("env_raised", "env_timeout", "env_bad_observation")
+
+
+class Env(Protocol):
+    def step(self, turn: str) -> str | None: ...
+
+
+class EnvFactory(Protocol):
+    def __call__(self, item: PromptItem) -> Env: ...
