@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 from pipeline.config import load_config  # noqa: E402
 from pipeline.metrics import read_jsonl  # noqa: E402
 
-BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed"]
+BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed",
+           "pipeline.tasks.calc"]
 PANELS = [("held-out reward", ["eval/reward", "eval/reward_greedy"]), ("policy entropy", ["entropy"]),
           ("response length", ["response/length_mean"]), ("groups without signal", ["groups/zero_variance_frac"])]
 
