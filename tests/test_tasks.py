@@ -116,6 +116,8 @@ def test_calc_tool_task_episode_and_reward():
     env = task.env(take(task, 0, "train", 1)[0])
     assert env.step("?12*") == ":error;" and env.step("?2**99") == ":error;"  # a tool error is an observation
     assert env.step("?08*3") == ":24;" and env.step("?2+3*4-5") == ":9;" and env.step("? 7 ") == ":7;"
+    item = take(task, 0, "train", 1)[0]
+    assert task.env(item).step("?") == task.env(item).step("?" + item.prompt[4:-1])  # bare: the question
     assert task.reward("mul 12*3=", "?12*3:36;36") == 1.0
     assert task.reward("mul 12*3=", "?12*3:36;") == 0.0  # no final answer after the tool's result
     assert 0 < task.reward("mul 12*3=", "?12*3:36;16") < 1

@@ -1,18 +1,20 @@
 """Built-in multi-turn task: multiply with a calculator tool. Prompt `mul 37*4=`, answer `148`.
 
-The model may call the calculator by starting a turn with `?`: the turn `?37*4` gets the observation
-`:148;` and the model takes another turn. A turn without `?` is the final answer and ends the episode.
-A malformed call is a tool error the model sees (`:error;`), not a crash. A rollout looks like
+The model may call the calculator by starting a turn with `?`: a bare `?` asks it about the question
+(`37*4`), `?<expression>` about that expression (integers, + - *). The call gets the observation
+`:148;` and the model takes another turn; a malformed expression gets `:error;` (a tool error the
+model sees, not a crash). A turn without `?` is the final answer and ends the episode:
 
     prompt  mul 37*4=
-    turn 1  ?37*4<eos>          (model: trained)
+    turn 1  ?<eos>              (model: trained)
     obs     :148;               (environment: masked out of the loss)
     turn 2  148<eos>            (model: trained)
 
 Reward: the digit credit of the arithmetic task (pipeline/tasks/arith.py) for the final answer, the
 text after the last observation. Two-digit times one-digit products are beyond what the tiny model
-computes, so the reward rises by learning to call the tool and copy its result. Limits come from
-task.max_turns and task.max_total_tokens (pipeline/envs.py).
+computes, so the reward rises by learning to call the tool and copy its result. The demonstration
+(the warm start) is the bare call. Limits come from task.max_turns and task.max_total_tokens
+(pipeline/envs.py).
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class Calculator:
         turn = turn.strip()
         if not turn.startswith(CALL):
             return None  # a final answer
-        return f"{OBS_START}{calculate(turn[len(CALL):])}{OBS_END}"
+        expr = turn[len(CALL):].strip() or expression_of(self.item.prompt)  # bare `?`: the question
+        return f"{OBS_START}{calculate(expr)}{OBS_END}"
 
 
 def env(item: PromptItem) -> Calculator:
@@ -84,6 +87,6 @@ def reward(prompt: str, completion: str) -> float:
 
 
 def demonstration(item: PromptItem) -> list[str]:
-    """Model turn, observation, model turn: the tool call, its result, the answer."""
-    expr = expression_of(item.prompt)
-    return [f"{CALL}{expr}", f"{OBS_START}{calculate(expr)}{OBS_END}", calculate(expr)]
+    """Model turn, observation, model turn: the bare tool call, its result, the answer."""
+    result = calculate(expression_of(item.prompt))
+    return [CALL, f"{OBS_START}{result}{OBS_END}", result]
