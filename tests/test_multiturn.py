@@ -30,6 +30,7 @@ from tests.conftest import REPO
 CACHE = str(REPO / ".cache" / "tiny-model")
 GROUP, MAX_NEW = 2, 6
 OBS = "ab:12;"
+GROUP_IDS = itertools.count()  # unique across tests, as the buffer's are: the engine remembers released groups
 
 
 class ListSource:
@@ -38,13 +39,12 @@ class ListSource:
     def __init__(self) -> None:
         self.items: list[PromptItem] = []
         self.rollouts, self.released = [], []
-        self.ids = itertools.count()
 
     async def admit(self, wait_s: float):
         if not self.items:
             await asyncio.sleep(min(wait_s, 0.05))
             return None
-        return PromptGroup(next(self.ids), self.items.pop(0), GROUP, admitted_version=0)
+        return PromptGroup(next(GROUP_IDS), self.items.pop(0), GROUP, admitted_version=0)
 
     async def add(self, rollout) -> None:
         rollout.validate()
@@ -163,7 +163,9 @@ def test_weight_update_between_two_turns_gives_two_versions_and_staleness(eng):
         await e.engine.update_weight_version(str(v + 1))
 
     async def update_when_parked():
+        deadline = time.monotonic() + 60
         while not at_step.is_set():
+            assert time.monotonic() < deadline, "no rollout reached its environment in 60s"
             await asyncio.sleep(0.01)
         await e.update(v + 1, relabel, "keep")
         go_on.set()
@@ -196,7 +198,7 @@ def test_weight_update_between_two_turns_gives_two_versions_and_staleness(eng):
     buf.admit(PromptItem(uid=0, prompt="p"))
     buf.set_trainer_version(v + 1)
     for r in src.rollouts:
-        buf.add(dataclasses.replace(r, group_id=0))
+        buf.add(dataclasses.replace(r, group_id=0))  # the buffer's own group id
     b = buf.take_batch()
     assert b.staleness().tolist() == [1 if r in parked else 0 for r in src.rollouts]
 
@@ -230,3 +232,56 @@ def test_environments_that_raise_hang_or_flood_fail_their_rollout_alone(eng):
     assert len(set(src.released)) >= 4 and len(src.rollouts) >= 4 * GROUP  # the others went on
     e.check()  # the generator is not broken
     assert EOS_ID not in encode_completion(e.tok, OBS)
+
+
+def test_carry_over_save_between_two_turns_resumes_the_episode(eng):
+    """A stage end with carry_over=save while a rollout waits for its environment: the trajectory
+    (environment included) is kept and resumed first in the next stage, its next turn conditioned
+    on the exact tokens so far."""
+    loop, e, calls = eng
+    at_step, go_on = threading.Event(), threading.Event()
+    envs = []
+
+    def hook(n: int) -> None:
+        if n == 1:
+            at_step.set()
+            go_on.wait(30)
+
+    def factory(item):
+        envs.append(Scripted(calls=1, hook=hook))
+        return envs[-1]
+
+    e.task = dataclasses.replace(e.task, env=factory)
+    src = ListSource()
+    src.items = take(e.task, 4, "train", 1)
+
+    async def go():
+        e.begin_stage(src)
+        deadline = time.monotonic() + 60
+        while not at_step.is_set():
+            e.check()
+            assert time.monotonic() < deadline, "no rollout reached its environment in 60s"
+            await asyncio.sleep(0.01)
+        ending = asyncio.create_task(e.end_stage(30, carry_over="save"))
+        await asyncio.sleep(0.2)
+        go_on.set()  # the observation comes back after the stage ended: the next turn waits for a stage
+        info = await ending
+        assert not src.rollouts and info["carried"] == GROUP, info
+        calls.clear()
+        e.begin_stage(src)
+        deadline = time.monotonic() + 60
+        while len(src.rollouts) < GROUP:
+            e.check()
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await e.end_stage(30)
+
+    loop.run_until_complete(go())
+    obs = encode_completion(e.tok, OBS)
+    for r in src.rollouts:
+        toks = list(r.completion_tokens)
+        assert list(r.versions).count(ENV_VERSION) == len(obs) and toks[MAX_NEW:MAX_NEW + len(obs)] == obs
+        assert list(r.prompt_tokens) + toks[:MAX_NEW + len(obs)] in calls  # resumed on the exact tokens
+        assert r.reprefill_tokens == 0  # a new turn is not a re-prefill
+    # the same environments went on: each saw the turn before the stage end and the one after it
+    assert len(envs) == GROUP and all(len(env.seen) == 2 for env in envs)
