@@ -152,7 +152,7 @@ class GeneratorActor(Actor):
         return self.core.snapshot()
 
     @endpoint
-    async def generate_eval(self, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+    async def generate_eval(self, prompts: list, max_new_tokens: int, temperature: float = 0.0,
                             seed: int = 0) -> list[str]:
         return await self.core.generate_eval(prompts, max_new_tokens, temperature, seed)
 

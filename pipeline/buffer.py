@@ -207,7 +207,7 @@ class ReplayBufferCore:
         n = 0
         for gid, g in self._in_flight.items():
             if self._lease.get(gid) == lessee:
-                self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
+                self.wasted_tokens += sum(r.num_model_tokens for r in g.samples.values())
                 g.samples.clear()
                 self._lease[gid] = None
                 self._requeued.append(gid)
@@ -246,7 +246,7 @@ class ReplayBufferCore:
         gid, idx = rollout.group_id, rollout.sample_idx
         if self._foreign(gid, lessee, rollout.generator_id):
             self.late_rollouts += 1
-            self.wasted_tokens += len(rollout.completion_tokens)
+            self.wasted_tokens += rollout.num_model_tokens
             return
         problem = self._problem(rollout)
         if problem is not None:
@@ -254,7 +254,7 @@ class ReplayBufferCore:
             raise RolloutRejected(*problem)
         if gid in self._late:
             self.late_rollouts += 1
-            self.wasted_tokens += len(rollout.completion_tokens)
+            self.wasted_tokens += rollout.num_model_tokens
             self._late[gid].discard(idx)
             if not self._late[gid]:
                 del self._late[gid]
@@ -301,7 +301,7 @@ class ReplayBufferCore:
             self.zero_signal_groups += 1
             if self.cfg.zero_signal == "drop":
                 self.dropped_groups["zero_signal"] += 1
-                self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
+                self.wasted_tokens += sum(r.num_model_tokens for r in g.samples.values())
                 return
             g.advantages = [0.0] * len(rewards)
         else:
@@ -310,7 +310,7 @@ class ReplayBufferCore:
 
     def _drop(self, g: _Group, reason: str) -> None:
         gid = g.group.group_id
-        self.wasted_tokens += sum(len(r.completion_tokens) for r in g.samples.values())
+        self.wasted_tokens += sum(r.num_model_tokens for r in g.samples.values())
         self._lease.pop(gid, None)
         if gid in self._requeued:
             self._requeued.remove(gid)
@@ -363,7 +363,7 @@ class ReplayBufferCore:
         self.batches += 1
         self.deferred_groups += self.held_groups  # carried over into the next step, not dropped
         self._last_batch = {"ids": sorted(g.group.group_id for g in groups), "deferred": self.held_groups,
-                            "tokens": sum(len(r.completion_tokens) for r, _, _ in samples),
+                            "tokens": sum(r.num_model_tokens for r, _, _ in samples),
                             "staleness": Counter(_staleness(r, self.version) for r, _, _ in samples)}
         return Batch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=logprobs,
                      versions=versions, advantages=torch.tensor([a for _, a, _ in samples], dtype=torch.float32),
@@ -451,7 +451,7 @@ class ReplayBufferCore:
                 "wait_s_total": self.wait_s_total,
                 "complete": [(g.group, [g.samples[i] for i in range(G)], list(g.advantages))
                              for g in self._complete.values()],
-                "in_flight": [(g.group, sum(len(r.completion_tokens) for r in g.samples.values()))
+                "in_flight": [(g.group, sum(r.num_model_tokens for r in g.samples.values()))
                               for g in self._in_flight.values()],
                 "delta_capped_steps": self.delta_capped_steps, "delta": self.delta_ctl.state_dict()}
 

@@ -545,6 +545,10 @@ class Config:
         _check(g.top_p == 1.0, "generator.top_p", g.top_p,
                "1.0 for RL: with top_p < 1 the sampler's logprobs are of the truncated, renormalised "
                "distribution, which the learner cannot score, so every importance ratio is biased low")
+        # a stage end waits for rollouts parked in an environment call, within request_timeout_s
+        _check(self.task.env_timeout_s < g.request_timeout_s, "task.env_timeout_s", self.task.env_timeout_s,
+               f"below generator.request_timeout_s={g.request_timeout_s} (a stage end waits for a rollout's "
+               "environment call within it)")
         n = self.buffer.batch_groups * self.buffer.group_size
         _check(self.trainer.minibatches <= n, "trainer.minibatches", self.trainer.minibatches,
                f"at most the batch's {n} samples (buffer.batch_groups * buffer.group_size); "

@@ -541,10 +541,10 @@ class Pipeline:
         prompts = [i.prompt for i in items]
         n = self.cfg.generator.max_new_tokens
         for k, (i, gen) in enumerate(live := self.live_generators()):  # a generator dying meanwhile: the next
-            try:
-                greedy = await timed("generate_eval", gen.generate_eval.call_one(prompts, n))
+            try:  # the items, not just their prompts: a multi-turn task's environment gets them as in training
+                greedy = await timed("generate_eval", gen.generate_eval.call_one(items, n))
                 sampled = await timed("generate_eval", gen.generate_eval.call_one(
-                    prompts * EVAL_SAMPLES, n, self.cfg.generator.temperature, self.cfg.task.seed))
+                    items * EVAL_SAMPLES, n, self.cfg.generator.temperature, self.cfg.task.seed))
                 break
             except Exception as e:
                 if k == len(live) - 1:

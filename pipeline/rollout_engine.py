@@ -79,6 +79,7 @@ class RolloutEngine:
         # environment calls get their own workers, two per rollout in flight (one more for a call
         # still running past its timeout): a hung tool does not starve rewards or other rollouts at once
         self.env_calls = RewardScorer(self.task, cfg.task.env_timeout_s, 2 * cfg.generator.concurrency)
+        self.eval_env_calls = RewardScorer(self.task, cfg.task.env_timeout_s, 2 * cfg.generator.concurrency)
         self.engine = None
         self.tok = None
         self.version = 0
@@ -232,7 +233,8 @@ class RolloutEngine:
             return
         except RewardRejected as e:  # the environment raised or timed out: this sample alone
             self._release_slot(traj)
-            await self._reject_sample(traj, self.tok.decode(traj.tokens, skip_special_tokens=True), e)
+            if traj.group.group_id not in self._dead_groups:  # a sibling already gave the group back
+                await self._reject_sample(traj, self.tok.decode(traj.tokens, skip_special_tokens=True), e)
             return
         except asyncio.CancelledError:
             self._release_slot(traj)
@@ -305,7 +307,8 @@ class RolloutEngine:
             room = min(room, self.cfg.task.max_total_tokens - len(traj.tokens))
         return room
 
-    async def _episode(self, traj: Trajectory, turn: Callable[[Trajectory], Awaitable[str]]) -> str:
+    async def _episode(self, traj: Trajectory, turn: Callable[[Trajectory], Awaitable[str]],
+                       calls: RewardScorer | None = None) -> str:
         """Model turns (each `await turn(traj)`) and, for a task with an environment, observations
         between them, until the environment ends the episode or a limit is reached (pipeline/envs.py).
         Returns the last turn's finish reason, or 'saved' when a stage end carried the trajectory
@@ -313,32 +316,31 @@ class RolloutEngine:
         env_bad_observation) if the environment fails."""
         if self.task.env is None:
             return await turn(traj)
-        tc = self.cfg.task
+        tc, calls = self.cfg.task, calls or self.env_calls
         if traj.env is None:
-            traj.env = await self.env_calls.call(self.task.env, traj.group.item, kind="env")
+            traj.env = await calls.call(self.task.env, traj.group.item, kind="env")
         while True:
             finish = await turn(traj)
-            if finish == "saved":
-                return finish
+            if finish == "saved" or traj.group.group_id in self._dead_groups:
+                return finish  # carried over; or a sibling gave the group back: no more turns for it
             traj.turns += 1
-            if traj.turns >= tc.max_turns or len(traj.tokens) >= tc.max_total_tokens:
+            # room after an observation of at least one token for one more model token
+            left = min(tc.max_total_tokens - len(traj.tokens), self.g.max_model_len - len(traj.context()))
+            if traj.turns >= tc.max_turns or left < 2:
                 return finish
             text = self.tok.decode(traj.turn_tokens(), skip_special_tokens=True)
-            obs = await self.env_calls.call(traj.env.step, text, kind="env")
+            obs = await calls.call(traj.env.step, text, kind="env")
             if obs is None:
                 return finish
             if not isinstance(obs, str):
                 raise RewardRejected("env_bad_observation", f"step returned {type(obs).__name__}, "
                                                             "not a str (an observation) or None (the end)")
             ids = encode_completion(self.tok, obs)
-            room = min(tc.max_obs_tokens, tc.max_total_tokens - len(traj.tokens),
-                       self.g.max_model_len - 1 - len(traj.context()))
+            room = min(tc.max_obs_tokens, left - 1)  # keep a token for the model's next turn
             if len(ids) > room:
-                ids = ids[:max(room, 0)]
+                ids = ids[:room]
                 self.stats.obs_truncated += 1
             traj.extend_env(ids)
-            if len(traj.tokens) >= tc.max_total_tokens or len(traj.context()) >= self.g.max_model_len - 1:
-                return "length"  # no room left for another model turn
 
     async def _segment(self, traj: Trajectory, rid: str, max_tokens: int) -> str:
         from vllm import SamplingParams
@@ -496,20 +498,29 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- eval and stats
 
-    async def generate_eval(self, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+    async def generate_eval(self, prompts: list[str | PromptItem], max_new_tokens: int, temperature: float = 0.0,
                             seed: int = 0) -> list[str | None]:
         """Completions for evaluation: greedy by default, else sampled at `temperature` with per-prompt
         seeds `seed + i` (reproducible for fixed weights). A prompt that is empty, too long, cannot be
         tokenised or is refused by the engine gets None, counted in stats()["eval_skipped"] by reason;
-        bad sampling values raise RequestError at once, any other failure after the others finish."""
+        bad sampling values raise RequestError at once, any other failure after the others finish.
+        `prompts` are PromptItems (a multi-turn task's environment gets the item, as in training) or
+        prompt strings. A multi-turn task's episodes run at most 2 N' at a time, with environment
+        workers of their own, so evaluation never takes the training rollouts' workers."""
         from vllm import SamplingParams
 
         self.check()
         check_request(1, max_new_tokens, temperature, 1.0, self.g.max_model_len)  # the sampling values
 
-        async def one(i: int, prompt: str) -> str:
-            traj = Trajectory(PromptGroup(-1, PromptItem(uid=i, prompt=prompt), 1, self.version), 0,
-                              self._prompt_tokens(prompt))
+        items = [p if isinstance(p, PromptItem) else PromptItem(uid=i, prompt=p) for i, p in enumerate(prompts)]
+        limit = asyncio.Semaphore(2 * self.g.concurrency if self.task.env is not None else len(items) or 1)
+
+        async def one(i: int, item: PromptItem) -> str:
+            async with limit:
+                return await episode(i, item)
+
+        async def episode(i: int, item: PromptItem) -> str:
+            traj = Trajectory(PromptGroup(-1, item, 1, self.version), 0, self._prompt_tokens(item.prompt))
 
             async def turn(t: Trajectory) -> str:  # a multi-turn task's eval runs its environment too
                 room = self._turn_room(t, max_new_tokens)
@@ -529,17 +540,17 @@ class RolloutEngine:
                 t.extend(ids, [0.0] * len(ids), [self.version] * len(ids))
                 return str(final.outputs[0].finish_reason)
 
-            await self._episode(traj, turn)
+            await self._episode(traj, turn, self.eval_env_calls)
             return self.tok.decode(traj.tokens, skip_special_tokens=True)
 
         skip = (RequestError, RewardRejected)  # a bad prompt; an environment that failed on this prompt
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True)
+        results = await asyncio.gather(*(one(i, it) for i, it in enumerate(items)), return_exceptions=True)
         for r in results:
             if isinstance(r, skip):
                 self.stats.eval_skipped[r.reason] += 1
         bad = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException) and not isinstance(r, skip)]
         if bad:
-            raise RuntimeError("; ".join(f"eval prompt {i} ({prompts[i][:40]!r}): {type(r).__name__}: {r}"
+            raise RuntimeError("; ".join(f"eval prompt {i} ({items[i].prompt[:40]!r}): {type(r).__name__}: {r}"
                                          for i, r in bad)) from bad[0][1]
         return [None if isinstance(r, skip) else r for r in results]
 

@@ -75,7 +75,10 @@ def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S) -> None:
 
 def launch(cfg: Config) -> int:
     """Local run, or under torchrun: every rank joins one Monarch job and rank 0 drives it."""
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ
+    # torchrun sets all of these; LOCAL_WORLD_SIZE alone is no sign (vLLM's CPU platform sets it in
+    # the process that builds an engine, and a child of that process inherits it)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or all(
+        k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     if not under_torchrun or os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
         loopback_only()  # before any proc starts: they inherit this environment
     if under_torchrun:

@@ -89,6 +89,11 @@ class Rollout:
                              "(version -1) with a behaviour logprob")
 
     @property
+    def num_model_tokens(self) -> int:
+        """Completion tokens the policy sampled (what generation cost; observations left out)."""
+        return sum(1 for v in self.versions if v != ENV_VERSION)
+
+    @property
     def model_versions(self) -> list[int]:
         """Versions of the tokens the policy sampled (environment tokens left out)."""
         return [v for v in self.versions if v != ENV_VERSION]

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -86,3 +87,13 @@ def test_run_entry_point_exits_nonzero_on_bad_config(override, must_name):
     )
     assert p.returncode == 2, p.stdout + p.stderr
     assert must_name in p.stderr
+
+
+@pytest.mark.parametrize("override,key", [("task.env_timeout_s=400", "task.env_timeout_s"),
+                                          ("task.max_turns=0", "task.max_turns"),
+                                          ("task.max_total_tokens=0", "task.max_total_tokens"),
+                                          ("task.max_obs_tokens=0", "task.max_obs_tokens"),
+                                          ("task.env=nodots", "task.env")])
+def test_bad_multi_turn_settings_name_their_key(override, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_config("configs/tiny.yaml", [override])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
 import threading
 import time
 
@@ -75,6 +76,7 @@ def eng():
                                            max_model_len=128, start_timeout_s=240, request_timeout_s=60),
                  task=TaskConfig(name="pipeline.tasks.calc", max_turns=3, max_total_tokens=40, max_obs_tokens=8,
                                  env_timeout_s=1.0))
+    env_before = dict(os.environ)  # vLLM's CPU platform sets LOCAL_WORLD_SIZE etc. in this process
     loop = asyncio.new_event_loop()
     e = RolloutEngine(cfg, 0)
     loop.run_until_complete(e.start_engine())
@@ -89,6 +91,8 @@ def eng():
     yield loop, e, calls
     loop.run_until_complete(e.close())
     loop.close()
+    os.environ.clear()  # later tests start CLI runs: they must not inherit the engine's settings
+    os.environ.update(env_before)
 
 
 def run_groups(loop, e, env_factory, n: int, seed: int, timeout_s: float = 90) -> ListSource:
