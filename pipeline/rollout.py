@@ -189,11 +189,11 @@ class RewardScorer:
     async def score(self, prompt: str, completion: str) -> float:
         return await self.call(self.task.reward, prompt, completion)
 
-    async def call(self, fn, *args, kind: str = "reward", timeout_s: float | None = None):
-        """`fn(*args)` on a worker thread, bounded by `timeout_s` (default: the scorer's); a failure
-        raises RewardRejected with reason `<kind>_raised` or `<kind>_timeout` (an environment's calls
-        use kind="env"). A RewardRejected that `fn` raises is passed on as it is."""
-        t = timeout_s or self.timeout_s
+    async def call(self, fn, *args, kind: str = "reward"):
+        """`fn(*args)` on a worker thread, bounded by the scorer's timeout; a failure raises
+        RewardRejected with reason `<kind>_raised` or `<kind>_timeout` (an environment's calls use
+        kind="env"). A RewardRejected that `fn` raises is passed on as it is."""
+        t = self.timeout_s
         key = "task.reward_timeout_s" if kind == "reward" else f"task.{kind}_timeout_s"
         try:
             await asyncio.wait_for(self._slots.acquire(), t)

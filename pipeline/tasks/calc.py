@@ -82,8 +82,7 @@ def final_answer(transcript: str) -> str:
 
 
 def reward(prompt: str, completion: str) -> float:
-    a, b = expression_of(prompt).split("*")
-    return arith.digit_credit(str(int(a) * int(b)), final_answer(completion))
+    return arith.digit_credit(calculate(expression_of(prompt)), final_answer(completion))
 
 
 def demonstration(item: PromptItem) -> list[str]:
