@@ -5,6 +5,7 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     gens = procs.spawn("gen", GeneratorActor, cfg, generator_id)   # one actor per engine
     await gens.setup.call()                                        # placement, then the engine (start_timeout_s)
     await gens.attach_weights.call(handle)                         # builds (or replaces) the WeightReceiver
+    await gens.attach_reward_model.call(rm)                        # with reward_model.path: score with it
     await gens.start_generation.call(buf)                          # N' requests in flight from buf.admit()
     await gens.stage_weights.call(v)                               # transport -> staging; generation goes on
     await gens.apply_weights.call(v)                               # on_update strategy around the vLLM load
@@ -34,7 +35,12 @@ from pipeline.procs import descendants, me
 from pipeline.rollout_engine import RolloutEngine
 from pipeline.types import PromptGroup, Rollout
 
-__all__ = ["GeneratorActor", "MeshSource"]
+__all__ = ["GeneratorActor", "MeshSource", "stream_prefix"]
+
+
+def stream_prefix(generator_id: int, incarnation: int) -> str:
+    """The reward-model stream ids of one generator incarnation start with this."""
+    return f"g{generator_id}r{incarnation}/"
 
 
 class MeshSource:
@@ -118,6 +124,13 @@ class GeneratorActor(Actor):
             self.receiver.close()
         self.receiver = WeightReceiver(handle, self.core.gid if rank is None else rank)
         self.receiver.loaded_version = self.core.version
+
+    @endpoint
+    async def attach_reward_model(self, handle) -> None:
+        """Score rollouts with the reward model behind `handle` (actors/reward_model.py); a later
+        call, after the reward model's restart, replaces it. This generator's stream ids start
+        with g<id>r<incarnation>/, which the controller releases when this generator dies."""
+        self.core.attach_reward_model(handle, stream_prefix(self.core.gid, self.incarnation))
 
     @concurrent_endpoint
     async def stage_weights(self, version: int) -> float:

@@ -11,6 +11,7 @@ Code receives plain dataclasses (`OmegaConf.to_object`), never a DictConfig.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -441,6 +442,61 @@ class TaskConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    path: str = ""
+    """HF checkpoint of a scoring model with a scalar head (AutoModelForSequenceClassification with
+    num_labels=1, e.g. Qwen3ForSequenceClassification; tools/train_reward_model.py makes a tiny one
+    from task demonstrations); empty: no reward model. It must share the policy's tokenizer, since it
+    scores the policy's token ids as they stream (pipeline/reward_model.py). Served on its own mesh."""
+    weight: float = 1.0
+    """A sample's reward = reward_model.weight * model score + reward_model.task_weight * task reward."""
+    task_weight: float = 0.0
+    """Weight of the task's verifiable reward() in the training reward when a reward model is set
+    (0: the model score alone, and reward() is not called in training). Held-out eval always reports
+    the task's reward()."""
+    chunk_tokens: int = 16
+    """Streaming prefill (OPPO): a response's tokens go to the reward model whenever this many new ones
+    were generated, so after EOS only the last chunk is left to prefill; 0 scores the whole sequence
+    at EOS (score-at-end)."""
+    timeout_s: float = 30.0
+    """Seconds a score may take after EOS, a reward-model restart included (> 0); past it the sample
+    is rejected as reward_model_timeout (or reward_model_unavailable while it is restarted)."""
+    max_batch: int = 16
+    """Sequences scored in one forward when several whole sequences wait (1..4096)."""
+    max_sequences: int = 4096
+    """Streams (prefix caches) the reward model holds at once (1..10^6); past it the least recently
+    used is dropped, and its sequence is prefilled whole at EOS."""
+    max_restarts: int = 3
+    """Restarts of a dead reward-model mesh before the run fails (0..1000)."""
+    start_timeout_s: float = 300.0
+    """Seconds the reward model may take to load (> 0)."""
+    device: str = "cpu"
+    """Where the reward model runs: cpu | cuda (the proc's first visible GPU)."""
+    cpus: str = ""
+    """Cores of the reward model's proc (on host 0), cpuset syntax ('' = not pinned), one torch
+    thread per core."""
+
+    def __post_init__(self) -> None:
+        if self.path:
+            _check(Path(self.path).is_dir() and (Path(self.path) / "config.json").is_file(), "reward_model.path",
+                   self.path, "an HF checkpoint directory (with config.json), or empty for no reward model")
+            self.path = str(Path(self.path).resolve())
+        for key in ("weight", "task_weight"):
+            _check(math.isfinite(getattr(self, key)), f"reward_model.{key}", getattr(self, key), "a finite number")
+        _check(self.weight != 0 or self.task_weight != 0 or not self.path, "reward_model.weight", self.weight,
+               "non-zero (or reward_model.task_weight non-zero): the reward would be 0 for every sample")
+        _check(0 <= self.chunk_tokens <= 131072, "reward_model.chunk_tokens", self.chunk_tokens,
+               "0 (score at end) .. 131072")
+        _check(self.timeout_s > 0, "reward_model.timeout_s", self.timeout_s, "> 0")
+        _check(1 <= self.max_batch <= 4096, "reward_model.max_batch", self.max_batch, "1..4096")
+        _check(1 <= self.max_sequences <= 1_000_000, "reward_model.max_sequences", self.max_sequences, "1..1000000")
+        _check(0 <= self.max_restarts <= 1000, "reward_model.max_restarts", self.max_restarts, "0..1000")
+        _check(self.start_timeout_s > 0, "reward_model.start_timeout_s", self.start_timeout_s, "> 0")
+        _choice("reward_model.device", self.device, ("cpu", "cuda"))
+        _cores("reward_model.cpus", self.cpus)
+
+
+@dataclass
 class RunConfig:
     mode: str = "async"
     """async (overlapped loops) | sync (generate a full batch, train, sync, repeat)."""
@@ -490,7 +546,7 @@ class RunConfig:
     under out_dir/checkpoints) or a step_N directory. It must match this config's model shape,
     tokenizer, task.name, buffer.batch_groups and buffer.group_size; other keys take the new value."""
     allow_shared_cpus: bool = False
-    """Let trainer.cpus, generator.cpus and buffer.cpus overlap (meshes then compete for those cores)."""
+    """Let trainer.cpus, generator.cpus, buffer.cpus and reward_model.cpus overlap (meshes then compete for those cores)."""
     allow_shared_devices: bool = False
     """Let trainer.devices and generator.devices overlap (a GPU shared by trainer and generators)."""
 
@@ -529,6 +585,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -561,7 +618,8 @@ class Config:
         from pipeline.placement import format_ids
 
         t, g, r = self.trainer, self.generator, self.run
-        sets = [("trainer.cpus", t.cpus), ("generator.cpus", g.cpus), ("buffer.cpus", self.buffer.cpus)]
+        sets = [("trainer.cpus", t.cpus), ("generator.cpus", g.cpus), ("buffer.cpus", self.buffer.cpus),
+                ("reward_model.cpus", self.reward_model.cpus)]
         for i, (k1, s1) in enumerate(sets):
             for k2, s2 in sets[i + 1:]:
                 both = set(_ids(k1, s1)) & set(_ids(k2, s2))

@@ -42,7 +42,7 @@ import torch
 
 from pipeline.checkpoint import (Checkpoints, load_controller_state, prepare_resume, read_marker, rng_state,
                                  save_controller_state, set_rng_state)
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.health import CollapseWatch, batch_health
 from pipeline.metrics import MetricsSink, Progress, plot_summary, trained_samples
 from pipeline.model import EOS_ID, PAD_ID, encode_completion, encode_prompt, load_tokenizer, model_dir
@@ -56,6 +56,7 @@ from pipeline.weightsync.sync import WeightSync
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 600.0
+REWARD_MODEL = "reward_model"  # the supervisor's key for the reward model's failures
 HEALTH_PERIOD_S = 2.0
 EVAL_SAMPLES = 4
 LAST_CHECKPOINT_TIMEOUT_S = 120.0  # after a failure; after an interrupt (Ctrl-C, a signal) a quarter of it
@@ -108,6 +109,17 @@ class Pipeline:
         self.saved_step = -1  # the step of this run's newest checkpoint (or the one it resumed from)
         self.eval_curve: list[tuple[int, float, float]] = []  # (step, sampled, greedy); kept in checkpoints
         self.last_batch = None  # the Batch of the last trained step: the rollouts log decodes a few of its rows
+        self.reward_model = None  # the reward model's actor (reward_model.path); None while it is restarted
+        self._rm_procs = None
+        self._rm_pids: list = []
+        self.rm_restarts = 0
+        self.rm_stats: dict = {}  # its last answer to the supervisor's probe
+        if cfg.reward_model.path:  # before any mesh starts: a scorer that cannot read our tokens is a config error
+            from pipeline.reward_model import check_tokenizer
+
+            why = check_tokenizer(model_dir(cfg.model), cfg.reward_model.path)
+            if why is not None:
+                raise ConfigError(f"config: reward_model.path={cfg.reward_model.path!r} cannot be used: {why}")
 
     # ------------------------------------------------------------------ start / stop
 
@@ -152,6 +164,8 @@ class Pipeline:
                  describe(self.placement["buffer"]))
         self._host_mesh = host
         self._install_fault_hook()
+        if cfg.reward_model.path:
+            await self._spawn_reward_model()
         warm = str(self.warm_dir) if hasattr(self, "warm_dir") else None
         gens = await asyncio.gather(*[self._spawn_generator(i, warm, 0) for i in range(len(self.generators))])
         self.generators[:] = gens
@@ -185,8 +199,69 @@ class Pipeline:
                            self.cfg.generator.start_timeout_s)
         self._gen_pids[i] = info["procs"]
         self.placement[f"generator{i}"] = info["placement"]
+        self._write_placement()
         log.info("placement: generator%d (pid %d): %s", i, info["placement"]["pid"], describe(info["placement"]))
+        if self.reward_model is not None:  # while it is restarted, its restart attaches it (_restart_reward_model)
+            await timed(f"generator{i}.attach_reward_model", gen.attach_reward_model.call_one(self.reward_model), 60)
         return gen
+
+    async def _spawn_reward_model(self) -> None:
+        """The reward model on its own proc on host 0 (reward_model.path, pipeline/reward_model.py)."""
+        from actors.reward_model import RewardModelActor
+
+        rc = self.cfg.reward_model
+        procs = self._spawn(self._host_mesh, 0, keep=False)
+        self._rm_procs = procs
+        rm = procs.spawn(f"reward_modelr{self.rm_restarts}", RewardModelActor, self.cfg, self.rm_restarts)
+        info = await timed("reward model setup", rm.setup.call_one(), rc.start_timeout_s)
+        self._rm_pids = info["procs"]
+        self.placement["reward_model"] = info["placement"]
+        self._write_placement()
+        log.info("reward model %s loaded in %.1fs (pid %d): %s; streaming chunks of %d tokens", rc.path,
+                 info["load_s"], info["pid"], describe(info["placement"]), rc.chunk_tokens)
+        self.reward_model = rm
+
+    def _write_placement(self) -> None:
+        """out_dir/placement.json: every proc's role, pid, cores, threads and GPUs, kept current
+        across restarts (where to look, or what to kill, when debugging a run)."""
+        out = Path(self.cfg.run.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "placement.json.tmp"
+        tmp.write_text(json.dumps(self.placement, indent=2, default=str))
+        tmp.replace(out / "placement.json")
+
+    async def _stop_reward_model(self, rm: Any) -> None:
+        """Best effort, bounded, like _stop_generator."""
+        if rm is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(rm.shutdown.call_one(), 10)
+        procs, self._rm_procs = self._rm_procs, None
+        if procs is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(procs.stop(), 30)
+        if self.num_hosts == 1:
+            kill(self._rm_pids)
+
+    async def _restart_reward_model(self, cause: str) -> None:
+        """Stop the reward model, start a new one, and hand it to every generator: their scores in
+        flight wait for it (within reward_model.timeout_s) and send their sequences whole."""
+        detected, t0 = time.time(), time.monotonic()
+        self.rm_restarts += 1
+        log.warning("reward model failed (%s); restart %d of %d", cause[:300], self.rm_restarts,
+                    self.cfg.reward_model.max_restarts)
+        old, self.reward_model = self.reward_model, None
+        await self._stop_reward_model(old)
+        await self._spawn_reward_model()
+        res = await asyncio.gather(*[asyncio.wait_for(g.attach_reward_model.call_one(self.reward_model), 60)
+                                     for _, g in self.live_generators()], return_exceptions=True)
+        for (i, _), r in zip(self.live_generators(), res):
+            if isinstance(r, BaseException):
+                self._report_failure(i, f"attaching the restarted reward model failed: {r}")
+        event = {"reward_model": True, "restart": self.rm_restarts, "cause": cause[:500], "detected_at": detected,
+                 "recovered_at": time.time(), "recovery_s": time.monotonic() - t0}
+        with open(Path(self.cfg.run.out_dir) / "faults.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+        log.warning("reward model back in %.1fs", event["recovery_s"])
 
     def _local(self, i: int) -> bool:
         """Generator i surely runs on this (the controller's) host, so its recorded pids mean something
@@ -221,6 +296,11 @@ class Pipeline:
             m = re.match(r"generator(\d+)r(\d+)-", failure.mesh_name)
             if m and int(m[2]) != self.restarts[int(m[1])]:
                 return  # a replaced incarnation's late report
+            r = re.match(r"reward_modelr(\d+)-", failure.mesh_name)
+            if r:
+                if int(r[1]) == self.rm_restarts:
+                    loop.call_soon_threadsafe(self._report_failure, REWARD_MODEL, failure.report())
+                return
             if m or failure.mesh_name.startswith("logger-"):  # a dead proc's logger mesh goes with it
                 i = int(m[1]) if m else -1
             else:
@@ -240,6 +320,19 @@ class Pipeline:
                 failed[i] = f"its process {self._gen_pids[i][0][0]} died"
         live = [(i, g) for i, g in live if i not in failed]
         t = self.cfg.generator.health_timeout_s
+        if self.reward_model is not None:
+            if self.num_hosts == 1 and self._rm_pids and not alive(self._rm_pids[0]):
+                failed[REWARD_MODEL] = f"its process {self._rm_pids[0][0]} died"
+            else:
+                try:
+                    self.rm_stats = await asyncio.wait_for(self.reward_model.stats.call_one(), t)
+                    slow.pop(REWARD_MODEL, None)
+                except asyncio.TimeoutError:
+                    slow[REWARD_MODEL] = slow.get(REWARD_MODEL, 0) + 1
+                    if slow[REWARD_MODEL] >= 3:
+                        failed[REWARD_MODEL] = f"no health answer within {t:.0f}s three times in a row"
+                except Exception as e:  # noqa: BLE001 - a dead actor
+                    failed[REWARD_MODEL] = f"{type(e).__name__}: {e}"
         res = await asyncio.gather(*[asyncio.wait_for(g.stats.call_one(), t) for _, g in live], return_exceptions=True)
         for (i, _), r in zip(live, res):
             if isinstance(r, asyncio.TimeoutError):
@@ -257,11 +350,12 @@ class Pipeline:
         return failed
 
     async def supervise(self) -> None:
-        """Runs beside the train loop: probes the generators every HEALTH_PERIOD_S and reacts at once
-        to a failed push or a Monarch fault. A failed generator is restarted in the background while
-        the others keep generating. Raises RunError past generator.max_restarts or on a fatal fault."""
-        restarting: dict[int, asyncio.Task] = {}
-        slow: dict[int, int] = {}
+        """Runs beside the train loop: probes the generators (and the reward model) every
+        HEALTH_PERIOD_S and reacts at once to a failed push or a Monarch fault. A failed generator
+        or reward model is restarted in the background while the others keep generating. Raises
+        RunError past generator.max_restarts (reward_model.max_restarts) or on a fatal fault."""
+        restarting: dict[int | str, asyncio.Task] = {}
+        slow: dict[int | str, int] = {}
         self.sync.on_failure = self._report_failure
         try:
             while True:
@@ -278,6 +372,13 @@ class Pipeline:
                     raise RunError(f"a trainer or buffer mesh failed: {failed[None]}")
                 for i, cause in failed.items():
                     if i in restarting:
+                        continue
+                    if i == REWARD_MODEL:
+                        if self.rm_restarts >= self.cfg.reward_model.max_restarts:
+                            raise RunError(f"the reward model failed and has used its {self.cfg.reward_model.max_restarts} "
+                                           f"restarts (reward_model.max_restarts): {cause}")
+                        slow.pop(i, None)
+                        restarting[i] = asyncio.create_task(self._restart_reward_model(cause), name="restart-reward-model")
                         continue
                     if self.restarts[i] >= self.cfg.generator.max_restarts:
                         raise RunError(f"generator{i} failed and has used its {self.cfg.generator.max_restarts} "
@@ -308,6 +409,12 @@ class Pipeline:
         gen = await self._spawn_generator(i, str(path), version)
         await self.sync.rejoin(i, gen)
         self.generators[i] = gen
+        if self.reward_model is not None:  # the predecessor's streams go; this one scores with the current model
+            from actors.generator import stream_prefix
+
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.reward_model.release_prefix.call_one(stream_prefix(*lessee)), 10)
+            await timed(f"generator{i}.attach_reward_model", gen.attach_reward_model.call_one(self.reward_model), 60)
         await timed(f"generator{i}.start_generation", gen.start_generation.call_one(self.buffer))
         shutil.rmtree(path, ignore_errors=True)
         event = {"generator": i, "restart": self.restarts[i], "cause": cause[:500], "detected_at": detected,
@@ -344,7 +451,9 @@ class Pipeline:
             self.sync.cancel()
             await _settle({"weight sync": self.sync.wait()}, deadline)
         procs, self._procs = self._procs, []
+        rm, self.reward_model = self.reward_model, None
         await _settle({**{f"generator{i} stop": self._stop_generator(i, g) for i, g in enumerate(self.generators)},
+                       "reward model stop": self._stop_reward_model(rm),
                        **{f"proc mesh {k} stop": p.stop() for k, p in enumerate(procs)}}, deadline)
 
     # ------------------------------------------------------------------ steps
@@ -578,6 +687,8 @@ class Pipeline:
         out = {"buffer": await timed("buffer.stats", self.buffer.stats.call_one(), 60)}
         for i, g in self.live_generators():
             out[f"generator{i}"] = await timed(f"generator{i}.stats", g.stats.call_one(), 60)
+        if self.reward_model is not None:
+            out["reward_model"] = await timed("reward_model.stats", self.reward_model.stats.call_one(), 60)
         return out
 
 
@@ -590,6 +701,26 @@ def rejected_metrics(gens: list[dict]) -> dict[str, float]:
         total.update(g["failed"])
     return {**{f"rejected/{k}": float(v) for k, v in sorted(total.items())},
             "rejected/recent_frac": max((g["recent_rejected_frac"] for g in gens), default=0.0)}
+
+
+def reward_metrics(gens: list[dict], pipe: Pipeline) -> dict[str, float]:
+    """Reward latency after EOS (median over the generators' recent samples) and, with a reward
+    model, its stream and restart counters (its stats as of the supervisor's last probe)."""
+    import statistics
+
+    lat = [x for g in gens for x in g.get("reward_latency_s", [])]
+    out = {"reward/latency_after_eos_s": statistics.median(lat) if lat else float("nan")}
+    if pipe.cfg.reward_model.path:
+        rms = [g["reward_model"] for g in gens if g.get("reward_model")]
+        rs = pipe.rm_stats
+        out.update({"reward_model/restarts": float(pipe.rm_restarts),
+                    "reward_model/score_mean": statistics.fmean([r["score_mean"] for r in rms]) if rms else float("nan"),
+                    "reward_model/chunks": float(sum(r["chunks"] for r in rms)),
+                    "reward_model/resent_whole": float(sum(r["resent_whole"] for r in rms)),
+                    "reward_model/held_streams": float(rs.get("held", 0)),
+                    "reward_model/busy_frac": float(rs.get("busy_frac", 0.0)),
+                    "reward_model/batch_mean": float(rs.get("batch_mean", 0.0))})
+    return out
 
 
 def buffer_metrics(buf: dict) -> dict[str, float]:
@@ -640,7 +771,7 @@ async def _train_loop(pipe: Pipeline, sink, progress: Progress, first_step: int 
             "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),
             "carry/reprefill_tokens": float(sum(g["reprefill_tokens"] for g in gens)),
             "faults/restarts": float(sum(pipe.restarts)), "faults/requeued_groups": float(pipe.requeued_groups),
-            **rejected_metrics(gens),
+            **rejected_metrics(gens), **reward_metrics(gens, pipe),
         })
         if cfg.run.eval_every and cfg.task.eval_prompts and (step % cfg.run.eval_every == 0 or step == cfg.run.steps):
             await pipe.sync.wait()

@@ -165,6 +165,11 @@ def buffer_placement(cfg: Config) -> Placement:
     return Placement("buffer", cpus, "buffer.cpus", len(cpus))
 
 
+def reward_model_placement(cfg: Config) -> Placement:
+    cpus = tuple(sorted(parse_ids(cfg.reward_model.cpus)))
+    return Placement("reward_model", cpus, "reward_model.cpus", len(cpus))
+
+
 def resolve_gpus(p: Placement, visible: int) -> tuple[int, ...]:
     """The GPU indices `p` runs on, on a host where the proc sees `visible` GPUs."""
     key = p.gpus_key or "the default GPU assignment (trainer.devices / generator.devices unset)"

@@ -265,6 +265,7 @@ class RolloutStats:
     eval_skipped: Counter = field(default_factory=Counter)  # eval prompts skipped, by reason
     errors: deque = field(default_factory=lambda: deque(maxlen=20))
     recent: deque = field(default_factory=lambda: deque(maxlen=REJECT_WINDOW))  # reason, or None if accepted
+    reward_latency_s: deque = field(default_factory=lambda: deque(maxlen=512))  # EOS -> reward, recent samples
     _busy_since: float | None = None
 
     def running(self, on: bool) -> None:
@@ -321,4 +322,5 @@ class RolloutStats:
             "recent_rejected_frac": sum(reasons.values()) / len(self.recent) if self.recent else 0.0,
             "recent_reasons": dict(reasons),
             "recent_top_reason": reasons.most_common(1)[0][0] if reasons else None,
+            "reward_latency_s": list(self.reward_latency_s),
         }

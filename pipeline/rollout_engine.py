@@ -38,6 +38,7 @@ from typing import Awaitable, Callable
 
 from pipeline.config import Config
 from pipeline.model import encode_completion, encode_prompt, model_dir
+from pipeline.reward_client import RewardModelClient
 from pipeline.rollout import (RequestError, RewardScorer, RolloutStats, Trajectory, WorkSource, check_prompt,
                               check_request, spans_to_versions)
 from pipeline.tasks import RewardRejected, load_task
@@ -101,6 +102,16 @@ class RolloutEngine:
         self._loop_task: asyncio.Task | None = None
         self._broken: BaseException | None = None
         self._seq = itertools.count()
+        rc = cfg.reward_model  # with a reward model: its client, unusable (scores wait) until attached
+        self.rm = RewardModelClient(None, rc.chunk_tokens, rc.timeout_s, f"g{generator_id}/") if rc.path else None
+
+    def attach_reward_model(self, handle, prefix: str) -> None:
+        """Score with the reward model behind `handle` (actors/reward_model.py); a later call (its
+        restart) replaces the handle. `prefix` makes this generator's stream ids unique."""
+        if self.rm is None:
+            raise RuntimeError(f"generator {self.gid}: attach_reward_model without reward_model.path")
+        self.rm.prefix = prefix
+        self.rm.set_handle(handle)
 
     # ---------------------------------------------------------------- engine lifecycle
 
@@ -134,6 +145,8 @@ class RolloutEngine:
             t.cancel()
         pending = [*self._tasks, *([self._loop_task] if self._loop_task else [])]
         await asyncio.gather(*pending, return_exceptions=True)
+        if self.rm is not None:
+            await self.rm.close()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -223,8 +236,16 @@ class RolloutEngine:
 
     async def _drive(self, traj: Trajectory) -> None:
         """Generate one trajectory to its end, across updates; then reward it (off the event loop,
-        bounded by task.reward_timeout_s) and send it. A reward that cannot be used rejects the
-        sample and gives its group back; the generator goes on."""
+        bounded by task.reward_timeout_s, and/or by the reward model) and send it. A reward that
+        cannot be used rejects the sample and gives its group back; the generator goes on. A stream
+        the reward model will not finish (carried over, rejected, failed) is released there."""
+        try:
+            await self._drive_once(traj)
+        finally:
+            if self.rm is not None:
+                self.rm.release(traj.key)
+
+    async def _drive_once(self, traj: Trajectory) -> None:
         try:
             finish = await self._episode(traj, self._generate)
         except RequestError as e:
@@ -254,8 +275,10 @@ class RolloutEngine:
         self._sending += 1  # its slot is free already (the next request starts now); the send is not done
         try:
             completion = self.tok.decode(traj.tokens, skip_special_tokens=True)
+            eos = time.monotonic()
             try:
-                reward = await self.scorer.score(traj.group.item.prompt, completion)
+                reward = await self._reward(traj, completion)
+                self.stats.reward_latency_s.append(time.monotonic() - eos)
             except RewardRejected as e:
                 await self._reject_sample(traj, completion, e)
                 return
@@ -272,6 +295,21 @@ class RolloutEngine:
             self._break(RuntimeError(f"{traj.key}: sending the rollout failed: {type(e).__name__}: {e}"))
         finally:
             self._sending -= 1
+
+    async def _reward(self, traj: Trajectory, completion: str) -> float:
+        """The task's reward(); with a reward model, reward_model.weight * its score of the whole
+        rollout + reward_model.task_weight * reward() (computed at once). RewardRejected if unusable."""
+        rc = self.cfg.reward_model
+        if not rc.path:
+            return await self.scorer.score(traj.group.item.prompt, completion)
+        parts = [self.rm.finish(traj.key, traj.context())]
+        if rc.task_weight:
+            parts.append(self.scorer.score(traj.group.item.prompt, completion))
+        res = await asyncio.gather(*parts, return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException):
+                raise r
+        return rc.weight * res[0] + (rc.task_weight * res[1] if rc.task_weight else 0.0)
 
     async def _generate(self, traj: Trajectory) -> str:
         """Run segments until the trajectory finishes; 'saved' if a stage end carried it over."""
@@ -352,14 +390,26 @@ class RolloutEngine:
         self.stats.reprefill_tokens += traj.reprefill_tokens - before
         # FINAL_ONLY: tokens, logprobs and engine-side version spans arrive once, with no per-token
         # Python work in this process; an aborted request still returns everything it sampled.
+        # With a streaming reward model the tokens arrive as they are sampled (DELTA) and go on to it
+        # in chunks (pipeline/reward_client.py); the version spans still come with the final output.
+        stream = self.rm is not None and self.rm.chunk > 0
         sp = SamplingParams(max_tokens=max_tokens, temperature=self.g.temperature, top_p=self.g.top_p,
-                            logprobs=0, ignore_eos=self.g.ignore_eos, output_kind=RequestOutputKind.FINAL_ONLY)
+                            logprobs=0, ignore_eos=self.g.ignore_eos,
+                            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         self._rids[traj.key] = rid
         final = None
+        ids: list[int] = []
+        lps: list[float] = []
+        context = traj.context()
         try:
             async with asyncio.timeout(self.g.request_timeout_s):
-                async for out in self.engine.generate({"prompt_token_ids": traj.context()}, sp, request_id=rid):
+                async for out in self.engine.generate({"prompt_token_ids": context}, sp, request_id=rid):
                     final = out
+                    if stream:
+                        c = out.outputs[0]
+                        ids += c.token_ids
+                        lps += [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+                        self.rm.feed(traj.key, context, ids)
         except TimeoutError:
             raise TimeoutError(f"{traj.key}: request {rid} took over {self.g.request_timeout_s:.0f}s "
                                "(generator.request_timeout_s)") from None
@@ -371,8 +421,9 @@ class RolloutEngine:
         if final is None or not final.finished:
             raise RuntimeError(f"{traj.key}: request {rid} ended without a final output")
         c = final.outputs[0]
-        ids = list(c.token_ids)
-        lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
+        if not stream:
+            ids = list(c.token_ids)
+            lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
         traj.extend(ids, lps, spans_to_versions(c.weight_versions, len(ids)))
         self.stats.tokens += len(ids)
         return str(c.finish_reason)
@@ -561,5 +612,6 @@ class RolloutEngine:
         s = self.stats.snapshot()
         s.update(generator_id=self.gid, version=self.version, in_flight=len(self._active), sending=self._sending,
                  in_engine=len(self._rids), pending=len(self._pending), carried=len(self._carried),
-                 admitting=self._admitting, error=str(self._broken) if self._broken else None)
+                 admitting=self._admitting, error=str(self._broken) if self._broken else None,
+                 reward_model=self.rm.snapshot() if self.rm is not None else None)
         return s

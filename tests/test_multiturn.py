@@ -289,3 +289,37 @@ def test_carry_over_save_between_two_turns_resumes_the_episode(eng):
         assert r.reprefill_tokens == 0  # a new turn is not a re-prefill
     # the same environments went on: each saw the turn before the stage end and the one after it
     assert len(envs) == GROUP and all(len(env.seen) == 2 for env in envs)
+
+
+def test_streaming_reward_model_scores_each_rollout_as_its_whole_token_sequence(eng, tiny_dir, tmp_path):
+    """vLLM streams tokens (DELTA outputs) to a reward model on its own Monarch proc in chunks of 3,
+    observations included; each rollout's reward equals the model's score of its whole sequence."""
+    from monarch.actor import this_host
+
+    from actors.reward_model import RewardModelActor
+    from pipeline.reward_client import RewardModelClient
+    from pipeline.reward_model import StreamingScorer, init_scorer
+
+    loop, e, _ = eng
+    path = init_scorer(tiny_dir, tmp_path / "scorer", seed=2)
+    cfg0 = e.cfg
+    e.cfg = dataclasses.replace(cfg0, reward_model=dataclasses.replace(cfg0.reward_model, path=str(path),
+                                                                      chunk_tokens=3, task_weight=0.0, weight=2.0))
+    procs = this_host().spawn_procs(per_host={"procs": 1})
+    try:
+        rm = procs.spawn("rm_mt", RewardModelActor, e.cfg, 0)
+        loop.run_until_complete(asyncio.wait_for(rm.setup.call_one(), 120))
+        e.rm = RewardModelClient(rm, 3, 30.0, "g0r0/")
+        src = run_groups(loop, e, lambda item: Scripted(calls=1), n=2, seed=4)
+        stats = loop.run_until_complete(asyncio.wait_for(rm.stats.call_one(), 30))
+    finally:
+        e.rm, e.cfg = None, cfg0
+        loop.run_until_complete(asyncio.wait_for(procs.stop(), 30))
+    scorer = StreamingScorer(path)
+    assert len(src.rollouts) == 2 * GROUP and not src.released
+    for r in src.rollouts:
+        whole = scorer.score([list(r.prompt_tokens) + list(r.completion_tokens)])[0]
+        assert r.reward == pytest.approx(2.0 * whole, abs=1e-4)  # reward_model.weight * score
+        assert ENV_VERSION in r.versions  # an observation was part of the scored stream
+    assert stats["prefill_tokens"] > stats["finish_tokens"] > 0 and stats["lost"] == 0 and stats["held"] == 0
+    assert e.snapshot()["reward_latency_s"]

@@ -1,0 +1,150 @@
+"""RewardModelClient: a generator's side of the reward model (actors/reward_model.py).
+
+    rm = RewardModelClient(handle, chunk_tokens=16, timeout_s=30.0, prefix="g0r0/")
+    rm.feed(key, context, new_ids)       # while decoding: sends a chunk once chunk_tokens new tokens wait
+    score = await rm.finish(key, tokens) # after EOS: the rest, then the score (RewardRejected on failure)
+    rm.release(key)                      # a rollout that will not be scored (rejected, carried over)
+    rm.set_handle(new_handle)            # the controller restarted the reward model
+
+A stream is the rollout's whole token sequence (prompt, model turns, observations); it only ever
+grows, so chunks sent before an `abort` update or an observation stay valid. Chunks are sent
+without waiting for them (the actor queues them in order); the first failed chunk marks the
+stream, and its finish sends the whole sequence under a new stream id instead.
+
+Faults, each failing the one sample (RewardRejected, counted by reason by the generator):
+- reward_model_timeout: no score within reward_model.timeout_s of EOS.
+- reward_model_failed: the scorer cannot score the sequence (the actor's {"error": ...}).
+- reward_model_unavailable: the actor cannot be reached and no new one was attached in time.
+A call that fails because the actor is gone waits (within the same timeout) for `set_handle`, then
+sends the whole sequence to the new actor, which holds no streams: a reward-model restart costs
+latency, not samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pipeline.tasks import RewardRejected
+
+__all__ = ["RewardModelClient"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    seq: str
+    sent: int = 0
+    broken: bool = False
+
+
+class RewardModelClient:
+    def __init__(self, handle: Any, chunk_tokens: int, timeout_s: float, prefix: str):
+        self.handle, self.chunk, self.timeout_s, self.prefix = handle, chunk_tokens, timeout_s, prefix
+        self._ready = asyncio.Event()
+        if handle is not None:
+            self._ready.set()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._inflight: set[asyncio.Future] = set()
+        self.counts = {"chunks": 0, "chunk_tokens": 0, "finish_tokens": 0, "resent_whole": 0, "scored": 0}
+        self.scores: deque[float] = deque(maxlen=1000)
+
+    def set_handle(self, handle: Any) -> None:
+        """A new actor (a restart): it holds no stream, so every stream starts over with a new id."""
+        self.handle = handle
+        for key in list(self._streams):
+            self._streams[key] = self._new()
+        self._ready.set()
+
+    def _new(self) -> _Stream:
+        return _Stream(f"{self.prefix}{next(self._ids)}")
+
+    def feed(self, key: str, context: Sequence[int], new: Sequence[int] = ()) -> None:
+        """Stream the sequence context + new: send what was not sent yet once at least
+        chunk_tokens of it wait (and the actor is reachable). Never blocks."""
+        if self.chunk <= 0 or not self._ready.is_set():
+            return
+        st = self._streams.get(key)
+        if st is None:
+            st = self._streams[key] = self._new()
+        total = len(context) + len(new)
+        if st.broken or total - st.sent < self.chunk:
+            return
+        tokens = [*context[st.sent:], *new[max(0, st.sent - len(context)):]]
+        call = asyncio.ensure_future(self.handle.prefill.call_one(st.seq, st.sent, tokens))
+        self._inflight.add(call)
+        call.add_done_callback(lambda f, st=st: self._chunk_done(f, st))
+        st.sent = total
+        self.counts["chunks"] += 1
+        self.counts["chunk_tokens"] += len(tokens)
+
+    def _chunk_done(self, f: asyncio.Future, st: _Stream) -> None:
+        self._inflight.discard(f)
+        if f.cancelled() or f.exception() is not None:
+            st.broken = True  # finish sends the whole sequence
+
+    async def finish(self, key: str, tokens: Sequence[int]) -> float:
+        """The reward model's score of the whole sequence `tokens` (what was streamed plus the rest)."""
+        deadline = time.monotonic() + self.timeout_s
+        st = self._streams.pop(key, None) or self._new()
+        while True:
+            if st.broken or st.sent > len(tokens):
+                st = self._new()
+                self.counts["resent_whole"] += 1
+            handle = self.handle
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                r = await asyncio.wait_for(handle.finish.call_one(st.seq, st.sent, list(tokens[st.sent:])), left)
+            except asyncio.TimeoutError:
+                raise RewardRejected("reward_model_timeout", f"no score within {self.timeout_s:.0f}s "
+                                                             "(reward_model.timeout_s)") from None
+            except Exception as e:  # noqa: BLE001 - the actor is gone (or unreachable): wait for its successor
+                if self.handle is handle:
+                    self._ready.clear()
+                try:
+                    await asyncio.wait_for(self._ready.wait(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise RewardRejected("reward_model_unavailable", f"the reward model cannot be reached "
+                                         f"({type(e).__name__}: {str(e)[:200]}) and none came back within "
+                                         f"{self.timeout_s:.0f}s (reward_model.timeout_s)") from None
+                st = self._new()
+                continue
+            if "error" in r:
+                raise RewardRejected("reward_model_failed", r["error"])
+            if r.get("lost"):  # its state was evicted or a chunk lost: send it whole
+                st.broken = True
+                continue
+            self.counts["finish_tokens"] += len(tokens) - st.sent
+            self.counts["scored"] += 1
+            self.scores.append(r["score"])
+            return float(r["score"])
+
+    def release(self, key: str) -> None:
+        """Free the reward model's state of a stream that will not be finished here."""
+        st = self._streams.pop(key, None)
+        if st is not None and st.sent and self._ready.is_set():
+            call = asyncio.ensure_future(self.handle.release.call_one([st.seq]))
+            self._inflight.add(call)
+            call.add_done_callback(lambda f: (self._inflight.discard(f), f.cancelled() or f.exception()))
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Release every stream and wait (bounded) for calls still on their way."""
+        seqs = [st.seq for st in self._streams.values() if st.sent]
+        self._streams.clear()
+        if seqs and self._ready.is_set():
+            self._inflight.add(asyncio.ensure_future(self.handle.release.call_one(seqs)))
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=timeout_s)
+
+    def snapshot(self) -> dict:
+        return {**self.counts, "streams": len(self._streams),
+                "score_mean": sum(self.scores) / len(self.scores) if self.scores else float("nan")}

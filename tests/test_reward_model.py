@@ -1,0 +1,243 @@
+"""The reward model (pipeline/reward_model.py, actors/reward_model.py, pipeline/reward_client.py):
+streamed scores equal whole-sequence scores (and HF's own classifier forward), the actor on a real
+Monarch proc with the generators' client, its faults (timeout, a sequence it cannot score, a killed
+actor and its successor), config checks, and a short CLI run whose reward model is SIGKILLed.
+
+    .venv/bin/python -m pytest -q tests/test_reward_model.py -x
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config
+from pipeline.reward_model import ScorerError, StreamingScorer, check_tokenizer, init_scorer
+from pipeline.tasks import RewardRejected
+
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def scorer_dir(tiny_dir, tmp_path_factory):
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    return init_scorer(tiny_dir, tmp_path_factory.mktemp("scorer"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def scorer(scorer_dir):
+    return StreamingScorer(scorer_dir, max_sequences=3, max_batch=4)
+
+
+def seqs(n: int, lo: int = 5, hi: int = 90, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 60) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# ---------------------------------------------------------------- the scorer
+
+
+def test_streamed_score_equals_the_whole_sequence_score_and_hf_classifier_output(scorer, scorer_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(scorer_dir, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    for k, seq in enumerate(seqs(6)):
+        with torch.no_grad():  # HF's own classifier forward on the unpadded sequence: the reference
+            ref = hf(input_ids=torch.tensor([seq])).logits[0, 0].item()
+        whole = scorer.score([seq])[0]
+        for chunk in (1, 3, 16, None):  # None: random cut points
+            cuts = list(range(chunk, len(seq), chunk)) if chunk else sorted(rng.sample(range(1, len(seq)), 3))
+            bounds = [0, *cuts]
+            sid = f"s{k}-{chunk}"
+            for a, b in zip(bounds, bounds[1:]):
+                assert scorer.prefill(sid, a, seq[a:b])
+            streamed = scorer.finish(sid, bounds[-1], seq[bounds[-1]:])
+            assert streamed == pytest.approx(whole, abs=1e-5), (chunk, len(seq))
+        assert whole == pytest.approx(ref, abs=1e-5)
+    assert scorer.held == 0  # every finished stream was freed
+
+
+def test_a_padded_batch_scores_each_sequence_as_alone(scorer):
+    batch = seqs(7, 2, 40, seed=5)
+    together = scorer.score(batch)  # max_batch=4: two forwards, right-padded
+    alone = [scorer.score([s])[0] for s in batch]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert len(set(round(x, 6) for x in together)) > 1  # the head is not constant: the check can fail
+
+
+def test_a_stream_out_of_step_is_dropped_and_finish_asks_for_the_whole_sequence(scorer):
+    s = seqs(1, 20, 20)[0]
+    assert scorer.prefill("x", 0, s[:8])
+    assert scorer.finish("x", 9, s[9:]) is None  # offset 9 but 8 prefilled: lost, state dropped
+    assert scorer.finish("x", 8, s[8:]) is None  # and gone
+    assert scorer.prefill("y", 0, s[:8]) and not scorer.prefill("y", 4, s[4:])
+    lost = scorer.counts["lost"]
+    for i in range(4):  # max_sequences=3: the least recently used goes
+        scorer.prefill(f"e{i}", 0, s[:5])
+    assert scorer.held == 3 and scorer.finish("e0", 5, s[5:]) is None and scorer.counts["lost"] == lost + 1
+    assert scorer.finish("e3", 5, s[5:]) == pytest.approx(scorer.score([s])[0], abs=1e-5)
+    assert scorer.release_prefix("e") == 2 and scorer.held == 0
+
+
+@pytest.mark.parametrize("tokens,why", [([], "empty"), ([5, 10_000], "outside the reward model's vocabulary"),
+                                        ([5] * 5000, "longer than the reward model's")])
+def test_sequences_the_scorer_cannot_score_raise_naming_why(scorer, tokens, why):
+    with pytest.raises(ScorerError, match=why):
+        scorer.score([tokens])
+
+
+def test_a_checkpoint_without_a_scalar_head_or_with_another_tokenizer_is_refused(tiny_dir, scorer_dir, tmp_path):
+    with pytest.raises(ScorerError, match="num_labels=1"):
+        StreamingScorer(tiny_dir)  # a causal LM: no scalar head
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in scorer_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    tj = json.loads((other / "tokenizer.json").read_text())
+    tj["model"]["vocab"]["zz"] = len(tj["model"]["vocab"])
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    assert check_tokenizer(tiny_dir, scorer_dir) is None
+    assert "tokenizer differs" in check_tokenizer(tiny_dir, other)
+
+
+def test_config_checks_reward_model_keys(scorer_dir, tmp_path):
+    cfg = load_config(None, [f"reward_model.path={scorer_dir}", "reward_model.chunk_tokens=0"])
+    assert cfg.reward_model.path == str(scorer_dir.resolve())
+    for ov, key in [(f"reward_model.path={tmp_path}", "reward_model.path"),
+                    (f"reward_model.path={scorer_dir}|reward_model.weight=0", "reward_model.weight"),
+                    ("reward_model.chunk_tokens=-1", "reward_model.chunk_tokens"),
+                    ("reward_model.timeout_s=0", "reward_model.timeout_s"),
+                    ("reward_model.max_batch=0", "reward_model.max_batch"),
+                    ("reward_model.device=tpu", "reward_model.device"),
+                    ("reward_model.weight=nan", "reward_model.weight")]:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, ov.split("|"))
+
+
+def test_cli_refuses_a_reward_model_with_another_tokenizer_with_exit_2(scorer_dir, tmp_path):
+    other = tmp_path / "rm"
+    other.mkdir()
+    for f in scorer_dir.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    tj = json.loads((other / "tokenizer.json").read_text())
+    tj["model"]["vocab"]["zz"] = len(tj["model"]["vocab"])
+    (other / "tokenizer.json").write_text(json.dumps(tj))
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
+                        f"reward_model.path={other}", f"run.out_dir={tmp_path / 'out'}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "reward_model.path" in p.stderr and "tokenizer differs" in p.stderr
+
+
+# ---------------------------------------------------------------- the actor and the generators' client
+
+
+@pytest.fixture(scope="module")
+def rm_mesh(scorer_dir, loop):
+    """A spawner of reward-model actors on real procs; every proc it made is stopped at the end."""
+    from monarch.actor import this_host
+
+    from actors.reward_model import RewardModelActor
+
+    made = []
+
+    async def spawn(incarnation: int = 0):
+        cfg = load_config(None, [f"reward_model.path={scorer_dir}", "reward_model.max_sequences=64"])
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        made.append(procs)
+        rm = procs.spawn(f"rm{len(made)}", RewardModelActor, cfg, incarnation)
+        return rm, await asyncio.wait_for(rm.setup.call_one(), 120)
+
+    yield spawn
+    for p in made:
+        try:
+            loop.run_until_complete(asyncio.wait_for(p.stop(), 30))
+        except Exception:  # noqa: BLE001 - a proc the test killed
+            pass
+
+
+def test_client_streams_chunks_to_the_actor_and_gets_the_whole_sequence_score(rm_mesh, scorer, loop):
+    from pipeline.reward_client import RewardModelClient
+
+    async def go():
+        rm, _ = await rm_mesh()
+        client = RewardModelClient(rm, chunk_tokens=4, timeout_s=30, prefix="g0r0/")
+        out = {}
+        for k, seq in enumerate(seqs(5, 6, 50, seed=9)):
+            prompt, gen = seq[:5], seq[5:]
+            for i in range(1, len(gen) + 1):  # tokens arriving one by one, as vLLM's DELTA outputs
+                client.feed(f"t{k}", prompt, gen[:i])
+            out[k] = (await client.finish(f"t{k}", seq), seq)
+        stats = await rm.stats.call_one()
+        return client, out, stats
+
+    client, out, stats = loop.run_until_complete(go())
+    for score, seq in out.values():
+        assert score == pytest.approx(scorer.score([seq])[0], abs=1e-5)
+    assert client.counts["chunks"] >= 5 and client.counts["resent_whole"] == 0
+    assert stats["prefill_tokens"] > 0 and stats["held"] == 0 and stats["lost"] == 0
+    # the last chunk only was prefilled after EOS: fewer tokens than the sequences
+    assert client.counts["finish_tokens"] < sum(len(s) for _, s in out.values()) / 2
+
+
+def test_reward_model_faults_fail_the_sample_alone_and_a_killed_actor_is_replaced(rm_mesh, scorer, loop):
+    from pipeline.reward_client import RewardModelClient
+
+    seq = seqs(1, 30, 30, seed=11)[0]
+
+    async def go():
+        rm, info = await rm_mesh(1)
+        res = {}
+        bad = RewardModelClient(rm, 4, 30, "g1r0/")
+        with pytest.raises(RewardRejected) as e:
+            await bad.finish("oov", [5, 6, 100_000])  # outside the vocabulary: that sample fails
+        res["failed"] = e.value.reason
+        hurried = RewardModelClient(rm, 0, 1e-4, "g1r0/")
+        with pytest.raises(RewardRejected) as e:
+            await hurried.finish("slow", seq)
+        res["timeout"] = e.value.reason
+        res["after"] = await bad.finish("ok", seq)  # the actor serves on
+        # SIGKILL the actor's proc while a stream is half sent; its finish waits for a successor
+        client = RewardModelClient(rm, 4, 60, "g1r0/")
+        client.feed("k", seq[:12])
+        await asyncio.sleep(0.5)
+        os.kill(info["pid"], signal.SIGKILL)
+        pending = asyncio.ensure_future(client.finish("k", seq))
+        await asyncio.sleep(2.0)
+        res["waited"] = not pending.done()
+        new, _ = await rm_mesh(2)
+        client.set_handle(new)
+        res["score"] = await asyncio.wait_for(pending, 60)
+        res["resent"] = client.counts["resent_whole"]
+        gone = RewardModelClient(rm, 4, 2.0, "g1r0/")  # nobody replaces this one's actor
+        t0 = time.monotonic()
+        with pytest.raises(RewardRejected) as e:
+            await gone.finish("z", seq)
+        res["unavailable"], res["unavailable_s"] = e.value.reason, time.monotonic() - t0
+        return res
+
+    import monarch.actor
+
+    faults, hook = [], monarch.actor.unhandled_fault_hook
+    monarch.actor.unhandled_fault_hook = faults.append  # as the controller's: a dead mesh is reported, not fatal
+    try:
+        res = loop.run_until_complete(go())
+    finally:
+        monarch.actor.unhandled_fault_hook = hook
+    assert any("rm1" in f.mesh_name for f in faults)  # the killed actor's mesh was reported
+    assert res["failed"] == "reward_model_failed" and res["timeout"] == "reward_model_timeout"
+    assert res["after"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
+    assert res["waited"] and res["score"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
+    assert res["unavailable"] in ("reward_model_unavailable", "reward_model_timeout") and res["unavailable_s"] < 10
