@@ -11,9 +11,10 @@ Protocol (the generators' RewardModelClient calls it; the controller supervises 
     await rm.stats.call_one()                              # queue, held streams, batches, busy fraction
 
 Every operation goes into one FIFO queue, served by one worker that runs the forwards on a thread,
-so the endpoints keep answering while it computes. The worker takes everything queued at once:
-whole sequences (score-at-end, or streams sent whole again) are scored together in padded
-batches of reward_model.max_batch; stream chunks run in arrival order. A generator's messages to
+so the endpoints keep answering while it computes. The worker takes everything queued at once and
+hands it to StreamingScorer.run: a stream's consecutive chunks are joined, and the next chunk of
+every stream, and every whole sequence, go through the model together in padded batches of
+reward_model.max_batch (ops_per_forward in stats). A generator's messages to
 this actor arrive in the order it sent them, so a stream's chunks come before its finish; if one
 is lost anyway the offsets disagree and finish answers {"lost": True}.
 """
@@ -48,8 +49,9 @@ class RewardModelActor(Actor):
         self._worker: asyncio.Task | None = None
         self._busy_s = 0.0
         self._t0 = time.monotonic()
-        self._batches: deque[int] = deque(maxlen=256)  # whole sequences per forward, recent
+        self._batches: deque[float] = deque(maxlen=256)  # scoring ops per forward, recent worker rounds
         self._errors = 0
+        self._forwards = 0
 
     @endpoint
     async def setup(self) -> dict:
@@ -111,7 +113,7 @@ class RewardModelActor(Actor):
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         return {"incarnation": self.incarnation, "queued": len(self._queue), "held": s.held if s else 0,
                 "busy_frac": self._busy_s / elapsed, "errors": self._errors,
-                "batch_mean": sum(self._batches) / len(self._batches) if self._batches else 0.0,
+                "ops_per_forward": sum(self._batches) / len(self._batches) if self._batches else 0.0,
                 **(s.counts if s else {})}
 
     async def _serve(self) -> None:
@@ -129,42 +131,34 @@ class RewardModelActor(Actor):
                     fut.set_result(r)
 
     def _run(self, ops: list[tuple]) -> list:
-        """Every queued op in order, except that whole sequences are scored together in batches."""
+        """Every queued op, the scoring ones in as few batched forwards as possible (StreamingScorer.run)."""
         s = self.scorer
         results: list = [None] * len(ops)
-        whole = [i for i, (op, seq, off, _, _) in enumerate(ops) if op == "finish" and off == 0]
-        for k in range(0, len(whole), s.max_batch):
-            idx = whole[k:k + s.max_batch]
-            try:
-                scores = s.score([ops[i][3] for i in idx])
-                for i, x in zip(idx, scores):
-                    results[i] = {"score": x}
-                    s.release(ops[i][1])  # a whole sequence replaces any stream of the same id
-            except Exception:  # one bad sequence fails alone: score them one by one
-                for i in idx:
-                    results[i] = self._one(ops[i])
-            self._batches.append(len(idx))
-        for i, o in enumerate(ops):
-            if results[i] is None and not (o[0] == "finish" and o[2] == 0):
-                results[i] = self._one(o)
-        return results
-
-    def _one(self, o: tuple):
-        op, seq, offset, tokens, _ = o
-        s = self.scorer
+        scoring = [i for i, o in enumerate(ops) if o[0] in ("prefill", "finish")]
         try:
-            if op == "prefill":
-                return s.prefill(seq, offset, tokens)
-            if op == "finish":
-                x = s.finish(seq, offset, tokens)
-                return {"lost": True} if x is None else {"score": x}
-            if op == "release":
-                return s.release(seq)
-            return s.release_prefix(seq)
-        except Exception as e:  # a sequence the scorer cannot score: that sample alone
+            out = s.run([ops[i][:4] for i in scoring])
+        except Exception as e:  # noqa: BLE001 - a failed forward fails these ops alone; the actor serves on
             self._errors += 1
-            s.release(seq)
-            return {"error": f"{type(e).__name__}: {e}"}
+            out = [RuntimeError(f"{type(e).__name__}: {e}")] * len(scoring)
+            for i in scoring:
+                s.release(ops[i][1])
+        for i, r in zip(scoring, out):
+            if ops[i][0] == "prefill":
+                results[i] = r is True
+            elif isinstance(r, Exception):
+                self._errors += 1
+                results[i] = {"error": str(r)}
+            else:
+                results[i] = {"lost": True} if r is None else {"score": r}
+        for i, (op, seq, *_rest) in enumerate(ops):
+            if op == "release":
+                results[i] = s.release(seq)
+            elif op == "release_prefix":
+                results[i] = s.release_prefix(seq)
+        if s.counts["forwards"] > self._forwards:
+            self._batches.append(len(scoring) / (s.counts["forwards"] - self._forwards))
+            self._forwards = s.counts["forwards"]
+        return results
 
     @endpoint
     async def shutdown(self) -> None:

@@ -719,7 +719,7 @@ def reward_metrics(gens: list[dict], pipe: Pipeline) -> dict[str, float]:
                     "reward_model/resent_whole": float(sum(r["resent_whole"] for r in rms)),
                     "reward_model/held_streams": float(rs.get("held", 0)),
                     "reward_model/busy_frac": float(rs.get("busy_frac", 0.0)),
-                    "reward_model/batch_mean": float(rs.get("batch_mean", 0.0))})
+                    "reward_model/ops_per_forward": float(rs.get("ops_per_forward", 0.0))})
     return out
 
 

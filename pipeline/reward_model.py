@@ -16,8 +16,10 @@ chunked: streaming changes when the work is done, never the reward.
 A stream is addressed by (seq, offset). A chunk whose offset is not the length of the stream's
 state (a lost message, an evicted or restarted state) drops the state, and `finish` then answers
 None: the caller sends the whole sequence again from offset 0 (pipeline/reward_client.py). At most
-`max_sequences` states are held; the least recently used goes first. Whole sequences waiting
-together are scored in one padded forward (`score`, up to `max_batch`).
+`max_sequences` states are held; the least recently used goes first. Operations waiting together
+run in as few forwards as possible (`run`): a stream's consecutive chunks are joined, and the next
+chunk of every stream and every whole sequence share one forward of up to `max_batch` sequences,
+the streams' caches left-padded to the longest and their chunks right-padded.
 
 The score is the head applied to the last token's final hidden state: what HF's
 `*ForSequenceClassification` returns for an unpadded sequence. The scorer must share the policy's
@@ -48,7 +50,7 @@ class ScorerError(ValueError):
 
 @dataclass
 class _Stream:
-    cache: Any  # transformers DynamicCache
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, length, head_dim]
     length: int
     last: torch.Tensor  # final hidden state of the last token so far
 
@@ -75,39 +77,31 @@ class StreamingScorer:
         self.max_sequences, self.max_batch = max_sequences, max_batch
         self._states: OrderedDict[str, _Stream] = OrderedDict()
         self._lock = threading.Lock()  # one forward at a time; every call may come from a worker thread
-        self.counts = {"prefill_tokens": 0, "finish_tokens": 0, "whole_tokens": 0, "lost": 0, "evicted": 0}
+        self.counts = {"prefill_tokens": 0, "finish_tokens": 0, "whole_tokens": 0, "lost": 0, "evicted": 0,
+                       "forwards": 0}
 
-    # ---------------------------------------------------------------- streams
+    # ---------------------------------------------------------------- one call per operation
 
     def prefill(self, seq: str, offset: int, tokens: Sequence[int]) -> bool:
         """Extend stream `seq` (offset 0 starts it anew) by `tokens`; False if the stream's state is
         not `offset` tokens long (it is then dropped, and the sequence is scored whole at finish)."""
-        with self._lock, torch.inference_mode():
-            st = self._take(seq, offset)
-            if st is None and offset > 0:
-                return False
-            if not tokens:
-                if st is not None:
-                    self._keep(seq, st)
-                return True
-            st = self._extend(st, tokens)
-            self.counts["prefill_tokens"] += len(tokens)
-            self._keep(seq, st)
-            return True
+        return self.run([("prefill", seq, offset, tokens)])[0]
 
     def finish(self, seq: str, offset: int, tokens: Sequence[int]) -> float | None:
         """The score of stream `seq` extended by `tokens` (offset 0: `tokens` is the whole sequence);
         the stream is freed. None if its state is not `offset` tokens long (send it whole)."""
-        with self._lock, torch.inference_mode():
-            st = self._take(seq, offset)
-            if st is None:
-                if offset > 0:
-                    return None
-                return self._score_batch([list(tokens)])[0]
-            if tokens:
-                st = self._extend(st, tokens)
-                self.counts["finish_tokens"] += len(tokens)
-            return float(self.head(st.last).float().item())
+        r = self.run([("finish", seq, offset, tokens)])[0]
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    def score(self, seqs: Sequence[Sequence[int]]) -> list[float]:
+        """Scores of whole sequences, `max_batch` per padded forward."""
+        out = self.run([("finish", f"\0whole{i}", 0, s) for i, s in enumerate(seqs)])
+        for r in out:
+            if isinstance(r, Exception):
+                raise r
+        return out
 
     def release(self, seq: str) -> bool:
         with self._lock:
@@ -125,30 +119,116 @@ class StreamingScorer:
     def held(self) -> int:
         return len(self._states)
 
-    # ---------------------------------------------------------------- whole sequences
+    # ---------------------------------------------------------------- many operations at once
 
-    def score(self, seqs: Sequence[Sequence[int]]) -> list[float]:
-        """Scores of whole sequences, `max_batch` per padded forward."""
+    def run(self, ops: Sequence[tuple[str, str, int, Sequence[int]]]) -> list:
+        """Operations (kind 'prefill' | 'finish', seq, offset, tokens) in their order per stream, as
+        few padded forwards as possible: a stream's consecutive chunks are joined into one, and the
+        streams' next chunks (and whole sequences) go through the model together, `max_batch` at a
+        time. Per op: prefill -> True/False (False: out of step, dropped); finish -> the score, None
+        (out of step: send it whole) or a ScorerError for a sequence that cannot be scored."""
         with self._lock, torch.inference_mode():
-            out: list[float] = []
-            for i in range(0, len(seqs), self.max_batch):
-                out += self._score_batch([list(s) for s in seqs[i:i + self.max_batch]])
-            return out
+            results: list = [None] * len(ops)
+            queues: OrderedDict[str, list[int]] = OrderedDict()
+            for i, (_, seq, _, _) in enumerate(ops):
+                queues.setdefault(seq, []).append(i)
+            while queues:
+                work = []  # (seq, op indices joined, offset, tokens, finishes)
+                for seq, q in list(queues.items()):
+                    first = q.pop(0)
+                    kind, _, offset, tokens = ops[first]
+                    joined, tokens = [first], list(tokens)
+                    while kind == "prefill" and q and ops[q[0]][2] == offset + len(tokens):
+                        kind, _, _, more = ops[q[0]]
+                        joined.append(q.pop(0))
+                        tokens += more
+                    if not q:
+                        del queues[seq]
+                    work.append((seq, joined, offset, tokens, kind == "finish"))
+                self._round(ops, work, results)
+            return results
 
-    def _score_batch(self, seqs: list[list[int]]) -> list[float]:
-        for s in seqs:
-            self._check(s, 0)
-        n = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), n, dtype=torch.long)
-        mask = torch.zeros(len(seqs), n, dtype=torch.long)
-        for i, s in enumerate(seqs):  # right padding: a real token never attends to a pad after it
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
-        kw = {"attention_mask": mask.to(self.device)} if len(seqs) > 1 else {}
-        hidden = self.body(input_ids=ids.to(self.device), use_cache=False, **kw).last_hidden_state
-        last = hidden[torch.arange(len(seqs)), torch.tensor([len(s) - 1 for s in seqs])]
-        self.counts["whole_tokens"] += sum(map(len, seqs))
-        return [float(x) for x in self.head(last).float()[:, 0]]
+    def _round(self, ops, work, results) -> None:
+        ready = []  # (seq, joined, state or None, tokens, finishes)
+        for seq, joined, offset, tokens, fin in work:
+            st = self._states.pop(seq, None)
+            if offset > 0 and (st is None or st.length != offset):
+                self.counts["lost"] += 1
+                for i in joined:
+                    results[i] = False if ops[i][0] == "prefill" else None
+                continue
+            st = st if offset > 0 else None
+            try:
+                self._check(tokens, offset)
+            except ScorerError as e:
+                for i in joined:
+                    results[i] = e if ops[i][0] == "finish" else False
+                continue
+            if not tokens:  # nothing to add (offset > 0, so st holds the stream): score or keep it as it is
+                for i in joined:
+                    results[i] = True
+                if fin:
+                    results[joined[-1]] = float(self.head(st.last).float().item())
+                else:
+                    self._keep(seq, st)
+                continue
+            ready.append((seq, joined, st, tokens, fin))
+        for k in range(0, len(ready), self.max_batch):
+            part = ready[k:k + self.max_batch]
+            lasts = self._extend([(st, tokens) for _, _, st, tokens, _ in part])
+            for (seq, joined, st, tokens, fin), (new, last) in zip(part, lasts):
+                for i in joined[:-1]:
+                    results[i] = True
+                key = "whole_tokens" if st is None and fin else "finish_tokens" if fin else "prefill_tokens"
+                self.counts[key] += len(tokens)
+                if fin:
+                    results[joined[-1]] = float(self.head(last).float().item())
+                else:
+                    results[joined[-1]] = True
+                    self._keep(seq, new)
+
+    def _extend(self, items: list[tuple[_Stream | None, list[int]]]) -> list[tuple[_Stream, torch.Tensor]]:
+        """One forward of every item's new tokens on top of its cache: caches left-padded to the
+        longest, chunks right-padded; positions continue each stream. Returns each item's extended
+        state and the final hidden state of its last new token."""
+        from transformers import DynamicCache
+
+        n = len(items)
+        lens = [st.length if st else 0 for st, _ in items]
+        past, chunk = max(lens), max(len(t) for _, t in items)
+        ids = torch.zeros(n, chunk, dtype=torch.long)
+        mask = torch.zeros(n, past + chunk, dtype=torch.long)
+        for b, (_, t) in enumerate(items):
+            ids[b, :len(t)] = torch.tensor(t)
+            mask[b, past - lens[b]:past] = 1
+            mask[b, past:past + len(t)] = 1
+        pos = torch.tensor(lens).unsqueeze(1) + torch.arange(chunk).unsqueeze(0)
+        cache = DynamicCache()
+        if past:
+            for layer in range(self.model.config.num_hidden_layers):
+                ref = next(st.kv[layer][0] for st, _ in items if st)
+                k = ref.new_zeros(n, ref.shape[1], past, ref.shape[3])
+                v = k.clone()
+                for b, (st, _) in enumerate(items):
+                    if st:
+                        k[b, :, past - lens[b]:] = st.kv[layer][0][0]
+                        v[b, :, past - lens[b]:] = st.kv[layer][1][0]
+                cache.update(k, v, layer)
+        kw = {} if n == 1 and not past else {"attention_mask": mask.to(self.device)}
+        out = self.body(input_ids=ids.to(self.device), position_ids=pos.to(self.device), past_key_values=cache,
+                        use_cache=True, **kw)
+        self.counts["forwards"] += 1
+        res = []
+        for b, (st, t) in enumerate(items):
+            kv = []
+            for layer, cl in enumerate(out.past_key_values.layers):
+                nk, nv = cl.keys[b:b + 1, :, past:past + len(t)], cl.values[b:b + 1, :, past:past + len(t)]
+                if st:
+                    nk, nv = torch.cat([st.kv[layer][0], nk], 2), torch.cat([st.kv[layer][1], nv], 2)
+                kv.append((nk.clone(), nv.clone()))
+            last = out.last_hidden_state[b, len(t) - 1].clone()
+            res.append((_Stream(kv, lens[b] + len(t), last), last))
+        return res
 
     # ---------------------------------------------------------------- internals
 
@@ -161,26 +241,6 @@ class StreamingScorer:
         bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ScorerError(f"token id {bad[0]} is outside the reward model's vocabulary of {self.vocab_size}")
-
-    def _take(self, seq: str, offset: int) -> _Stream | None:
-        st = self._states.pop(seq, None)
-        if offset == 0:
-            return None
-        if st is None or st.length != offset:
-            self.counts["lost"] += 1
-            return None
-        return st
-
-    def _extend(self, st: _Stream | None, tokens: Sequence[int]) -> _Stream:
-        from transformers import DynamicCache
-
-        self._check(tokens, st.length if st else 0)
-        if st is None:
-            st = _Stream(DynamicCache(config=self.model.config), 0, torch.empty(0))
-        ids = torch.tensor([list(tokens)], device=self.device)
-        out = self.body(input_ids=ids, past_key_values=st.cache, use_cache=True)
-        st.cache, st.length, st.last = out.past_key_values, st.length + len(tokens), out.last_hidden_state[0, -1]
-        return st
 
     def _keep(self, seq: str, st: _Stream) -> None:
         self._states[seq] = st

@@ -69,6 +69,38 @@ def test_streamed_score_equals_the_whole_sequence_score_and_hf_classifier_output
     assert scorer.held == 0  # every finished stream was freed
 
 
+def test_streams_of_different_lengths_batched_together_score_as_alone(scorer_dir):
+    """The actor's path: many streams' chunks at once (caches left-padded to the longest, chunks
+    right-padded, a stream's consecutive chunks joined), finishes and whole sequences mixed."""
+    sc = StreamingScorer(scorer_dir, max_batch=3)
+    rng = random.Random(7)
+    data = seqs(7, 3, 70, seed=8)
+    ops, sent = [], [0] * len(data)
+    while any(sent[i] < len(s) for i, s in enumerate(data)):
+        i = rng.randrange(len(data))
+        s = data[i]
+        if sent[i] >= len(s):
+            continue
+        n = rng.randint(1, 9)
+        last = sent[i] + n >= len(s) and rng.random() < 0.7
+        if last:
+            ops.append(("finish", f"q{i}", sent[i], s[sent[i]:]))
+            sent[i] = len(s)
+        else:
+            ops.append(("prefill", f"q{i}", sent[i], s[sent[i]:sent[i] + n]))
+            sent[i] = min(len(s), sent[i] + n)
+    ops += [("finish", f"q{i}", len(s), []) for i, s in enumerate(data)
+            if not any(o[0] == "finish" and o[1] == f"q{i}" for o in ops)]  # all streamed: an empty last chunk
+    cut = rng.randrange(1, len(ops))  # two rounds of the actor's queue
+    res = sc.run(ops[:cut]) + sc.run(ops[cut:])
+    scores = {o[1]: r for o, r in zip(ops, res) if o[0] == "finish"}
+    assert all(r is True for o, r in zip(ops, res) if o[0] == "prefill")
+    for i, s in enumerate(data):
+        assert scores[f"q{i}"] == pytest.approx(sc.score([s])[0], abs=1e-5), i
+    assert sc.held == 0 and sc.counts["lost"] == 0
+    assert sc.counts["forwards"] < len(ops)  # batched: fewer forwards than operations
+
+
 def test_a_padded_batch_scores_each_sequence_as_alone(scorer):
     batch = seqs(7, 2, 40, seed=5)
     together = scorer.score(batch)  # max_batch=4: two forwards, right-padded
@@ -241,3 +273,46 @@ def test_reward_model_faults_fail_the_sample_alone_and_a_killed_actor_is_replace
     assert res["after"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
     assert res["waited"] and res["score"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
     assert res["unavailable"] in ("reward_model_unavailable", "reward_model_timeout") and res["unavailable_s"] < 10
+
+
+# ---------------------------------------------------------------- a real run
+
+
+@pytest.mark.slow
+def test_cli_run_scores_with_the_reward_model_and_survives_its_sigkill(scorer_dir, tmp_path):
+    """The default job with a reward model (streaming, chunks of 4): its proc is SIGKILLed mid-run;
+    the supervisor restarts it, scores in flight wait for the new one, and the run completes."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=14", "run.eval_every=0",
+           f"run.out_dir={out}", f"reward_model.path={scorer_dir}", "reward_model.chunk_tokens=4",
+           "reward_model.task_weight=0.5", "run.progress=false"]
+    log = open(tmp_path / "log.txt", "w")
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 400
+
+        def steps() -> int:
+            m = out / "metrics.jsonl"
+            return sum(1 for line in m.read_text().splitlines() if '"step": ' in line) if m.exists() else 0
+
+        while steps() < 3:
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+            time.sleep(0.5)
+        victim = json.loads((out / "placement.json").read_text())["reward_model"]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        rc = p.wait(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+    text = (tmp_path / "log.txt").read_text()
+    assert rc == 0, text[-4000:]
+    events = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
+    rm_events = [e for e in events if e.get("reward_model")]
+    assert len(rm_events) == 1 and rm_events[0]["recovery_s"] < 120, events
+    assert json.loads((out / "placement.json").read_text())["reward_model"]["pid"] != victim
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "reward_model/restarts" in r][-1]
+    assert last["reward_model/restarts"] == 1.0 and last["reward_model/chunks"] > 0
+    assert last.get("rejected/recent_frac", 0.0) <= 0.2  # the restart cost latency, not the run
+    assert rows[-1]["step"] == 14
