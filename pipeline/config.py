@@ -280,7 +280,9 @@ class TrainerConfig:
     epochs: int = 1
     """Passes over the batch (1..100); π_old stays the policy from before the batch's first step."""
     correction: str = "tis"
-    """Off-policy correction: none | tis | seq_is | mis | ppo_is | vanilla_is."""
+    """Off-policy correction: none | tis | seq_is | mis (masked IS) | mis_balance (multiple IS with the
+    balance heuristic, for consistent rollouts: generator.on_update=drain or run.mode=sync, and
+    generator.carry_over=keep; keeps max_staleness policy snapshots on the trainer) | ppo_is | vanilla_is."""
     is_cap: float = 2.0
     """C: truncation cap of TIS / sequence IS (>= 1)."""
     mis_low: float = 0.5
@@ -343,7 +345,8 @@ class TrainerConfig:
         _check(self.dual_clip == 0 or self.dual_clip > 1, "trainer.dual_clip", self.dual_clip, "0 (off) or > 1")
         _check(1 <= self.minibatches <= 1024, "trainer.minibatches", self.minibatches, "1..1024")
         _check(1 <= self.epochs <= 100, "trainer.epochs", self.epochs, "1..100")
-        _choice("trainer.correction", self.correction, ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is"))
+        _choice("trainer.correction", self.correction,
+                ("none", "tis", "seq_is", "mis", "mis_balance", "ppo_is", "vanilla_is"))
         _check(self.is_cap >= 1, "trainer.is_cap", self.is_cap, ">= 1")
         _check(0 <= self.mis_low < 1, "trainer.mis_low", self.mis_low, "0 <= low < 1")
         _check(self.mis_high > 1, "trainer.mis_high", self.mis_high, "> 1")
@@ -606,6 +609,11 @@ class Config:
         _check(self.task.env_timeout_s < g.request_timeout_s, "task.env_timeout_s", self.task.env_timeout_s,
                f"below generator.request_timeout_s={g.request_timeout_s} (a stage end waits for a rollout's "
                "environment call within it)")
+        if self.trainer.correction == "mis_balance":  # one behaviour policy per sample, or no mixture to weight
+            _check(self.run.mode == "sync" or (g.on_update == "drain" and g.carry_over == "keep"),
+                   "trainer.correction", "mis_balance", "with consistent rollouts only: generator.on_update=drain "
+                   f"and generator.carry_over=keep, or run.mode=sync (now on_update={g.on_update!r}, "
+                   f"carry_over={g.carry_over!r}: a sample's tokens may come from several versions)")
         n = self.buffer.batch_groups * self.buffer.group_size
         _check(self.trainer.minibatches <= n, "trainer.minibatches", self.trainer.minibatches,
                f"at most the batch's {n} samples (buffer.batch_groups * buffer.group_size); "

@@ -27,6 +27,15 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
     mis         w = ρ · 1[lo ≤ ρ ≤ hi]   (tokens outside the window are dropped; the normaliser
                                           keeps them, so dropping never up-weights the rest)
     ppo_is      w = 1, r = exp(logp − mu)
+    mis_balance w = min(exp(clamp(Σ_t mask·old − log Σ_j α_j q_j(y), ±20)), C), one weight per
+                sequence: multiple importance sampling with the balance heuristic (seed 002, §3.2).
+                A batch whose samples come from J behaviour versions, n_j samples from version j
+                (α_j = n_j / n), weights each sample by π_old(y) / Σ_j α_j q_j(y), whatever version
+                made it. q_j(y) is the sequence likelihood under version j: the sampler's own
+                logprobs for the version that made y, the trainer's snapshot of version j for the
+                others (`balance_log_mixture` gets log q [N, J]; train_core keeps the snapshots).
+                With one version it is seq_is. A sample whose tokens span several versions has no
+                single proposal: it gets seq_is's weight (log_mix = Σ_t mask·mu).
 
 Per-token log-ratios are clamped to ±20 before exp (a wild sampler logprob gives a huge but finite
 weight); seq_is clamps only the sum, since clamping each token first would change the product.
@@ -50,10 +59,19 @@ from pipeline.config import TrainerConfig
 _MAX_LOG_RATIO = 20.0
 
 
+def balance_log_mixture(logq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """log Σ_j α_j q_j(y_i) [N], α_j = n_j / Σ n: the balance heuristic's denominator, from
+    logq [N, J] (log q_j(y_i), sequence log-likelihoods; -inf where q_j(y_i) = 0) and counts [J]
+    (n_j, samples of the batch made by version j)."""
+    counts = counts.to(logq.dtype)
+    return torch.logsumexp(logq + (counts / counts.sum()).log()[None, :], dim=1)
+
+
 def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
-               cfg: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+               cfg: TrainerConfig, log_mix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token importance weight w [N, T-1] (detached) for the configured correction, and a bool
-    mask of the loss tokens the correction truncated or dropped (for the `is_clip_frac` metric)."""
+    mask of the loss tokens the correction truncated or dropped (for the `is_clip_frac` metric).
+    `log_mix` [N]: mis_balance's per-sample log Σ_j α_j q_j(y) (`balance_log_mixture`)."""
     mask = mask.to(old.dtype)
     on = mask > 0
     diff = torch.where(on, (old - mu).detach(), torch.zeros_like(old))  # where, not ·mask: inf·0 = nan
@@ -68,6 +86,12 @@ def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
     if c == "mis":
         keep = (rho >= cfg.mis_low) & (rho <= cfg.mis_high)
         return torch.where(keep, rho, torch.zeros_like(rho)), ~keep & on
+    if c == "mis_balance":
+        if log_mix is None:
+            raise ValueError("losses: trainer.correction='mis_balance' needs log_mix (balance_log_mixture)")
+        lw = torch.where(on, old.detach(), torch.zeros_like(old)).sum(dim=1) - log_mix.to(old.dtype)
+        seq = torch.exp(lw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        return seq.clamp(max=cfg.is_cap)[:, None].expand_as(rho), (seq > cfg.is_cap)[:, None] & on
     if c == "seq_is":
         # Clamp the sum only: a sequence whose token log-ratios cancel is not a wild sequence.
         seq = torch.exp(diff.sum(dim=1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
@@ -101,12 +125,14 @@ def policy_loss(
     denominators: tuple[float, float] | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    log_mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss (scalar, differentiable through `logp` and `entropy`) and per-shard *sums* for metrics.
 
     `denominators` = (global token count, global sequence count); defaults to this shard's.
     `entropy` [N, T-1]: per-token entropy of π_θ (`token_entropy`), rewarded with `entropy_coef`
     (the caller's current coefficient: fixed, or adapted by `adapt_entropy_coef`).
+    `log_mix` [N]: mis_balance's per-sample mixture log-likelihood (`balance_log_mixture`).
     The returned sums are detached: `clip_tokens` (tokens where the clipped branch is active),
     `dual_clip_tokens` (negative-advantage tokens held at c·A by the dual clip), `is_clip_tokens`
     (tokens the correction truncated or dropped), `kl_sum`, `tokens`.
@@ -127,7 +153,7 @@ def policy_loss(
         bound = cfg.dual_clip * adv
         dual = (adv < 0) & (surrogate < bound)
         surrogate = torch.where(dual, bound, surrogate)
-    w, affected = is_weights(old, mu, mask, cfg)
+    w, affected = is_weights(old, mu, mask, cfg, log_mix)
     per_token = -w * surrogate
     kl = torch.zeros_like(logp)
     if ref is not None and cfg.kl_coef > 0:
@@ -159,7 +185,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, n_t
 
 
 def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
-                  cfg: TrainerConfig) -> dict[str, torch.Tensor]:
+                  cfg: TrainerConfig, log_mix: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-shard sums describing sampler (μ) vs learner (π_old) disagreement on the sampled tokens,
     and the importance weights `cfg.correction` applies to them.
 
@@ -173,7 +199,7 @@ def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
         has = n > 0
         log_rho = ((old - mu) * mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         rho = torch.exp(log_rho) * mask
-        w = is_weights(old, mu, mask, cfg)[0] * mask
+        w = is_weights(old, mu, mask, cfg, None if log_mix is None else log_mix.double())[0] * mask
         per_max = diff.max(dim=1).values
         return {
             "seqs": has.sum().double(),

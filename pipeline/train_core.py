@@ -93,6 +93,7 @@ class _Proximal:
 
     logp: torch.Tensor
     ref: torch.Tensor | None
+    log_mix: torch.Tensor | None = None  # mis_balance: per row, log Σ_j α_j q_j(y) (balance_log_mixture)
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     mx: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
@@ -127,6 +128,10 @@ class TrainCore:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
         self.version = 0
+        # mis_balance: the weights of the last max_staleness versions before this one (version -> a
+        # copy of every parameter, this rank's shard), to score each sample under every behaviour
+        # version of its batch; not checkpointed (a resumed run falls back to seq_is until refilled)
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.samples_seen = 0
         self.skipped_steps = self.consecutive_skips = 0  # see train_step
         # The sampler's logprobs are of the temperature-scaled distribution it sampled from
@@ -191,6 +196,7 @@ class TrainCore:
         self.model.train()
         prox = _Proximal(torch.zeros(mask_all.shape, device=self.device),
                          torch.zeros(mask_all.shape, device=self.device) if self.ref_model is not None else None)
+        mis = self._balance_mixture(batch, plan, prox) if t.correction == "mis_balance" else {}
         # π_old of minibatches 1.. with the pre-step weights, before any update. Minibatch 0's is
         # its own first forward (the weights are still pre-step then), which saves that forward and
         # keeps minibatches = epochs = 1 exactly the single-step computation.
@@ -233,7 +239,65 @@ class TrainCore:
                 "clip_frac": frac("clip_tokens"), "dual_clip_frac": frac("dual_clip_tokens"),
                 "is_clip_frac": frac("is_clip_tokens"), "kl_ref": frac("kl_sum"),
                 "entropy": entropy, "entropy_coef": coef,
-                "staleness_mean": float(batch.staleness().float().mean()), **mm}
+                "staleness_mean": float(batch.staleness().float().mean()), **mm, **mis}
+
+    def _balance_mixture(self, batch: Batch, plan, prox: "_Proximal") -> dict[str, float]:
+        """mis_balance: prox.log_mix[i] = log Σ_j α_j q_j(y_i) over the behaviour versions j of the
+        batch (α_j = n_j / n); q_j is the sampler's own likelihood for the version that made y_i and
+        the snapshot of version j, scored here, for the others. Takes this version's snapshot first
+        and keeps the snapshots of the last buffer.max_staleness versions before it (older samples are dropped
+        as stale). A sample whose
+        model tokens span versions, or a batch with a version no snapshot is kept for (after a
+        resume), gets seq_is's weight (log_mix = Σ mask·mu). Metrics: versions, mixed samples,
+        fallback, scoring seconds, snapshot memory."""
+        import time
+
+        t0 = time.monotonic()
+        keep = self.cfg.buffer.max_staleness
+        with torch.no_grad():
+            self.snapshots[self.version] = [p.detach().clone() for p in self.model.parameters()]
+        for v in [v for v in self.snapshots if v < self.version - keep]:
+            del self.snapshots[v]
+        mask = batch.loss_mask[:, 1:].float()
+        mu_seq = (batch.behaviour_logprobs[:, 1:].float() * mask).sum(1).double()
+        own: list[int | None] = []
+        for i in range(batch.num_samples):  # the one version of each sample's model tokens, or None
+            vs = batch.versions[i, 1:][mask[i] > 0].unique().tolist()
+            own.append(int(vs[0]) if len(vs) == 1 else None)
+        versions = sorted({v for v in own if v is not None})
+        log_mix = mu_seq.clone()
+        fallback = any(v not in self.snapshots for v in versions)
+        if versions and not fallback:
+            counts = torch.tensor([sum(1 for v in own if v == j) for j in versions], dtype=torch.float64)
+            logq = torch.full((batch.num_samples, len(versions)), float("nan"), dtype=torch.float64)
+            live = [p.detach().clone() for p in self.model.parameters()] if len(versions) > 1 else None
+            try:
+                for k, j in enumerate(versions):
+                    if len(versions) > 1:  # q_j of the other versions' samples: forwards with version j's weights
+                        with torch.no_grad():
+                            for p, w in zip(self.model.parameters(), self.snapshots[j]):
+                                p.copy_(w)
+                            for _, micro in plan:
+                                for rows, _keep in micro:
+                                    ids = batch.input_ids[rows].to(self.device)
+                                    lp = self._logprobs(self.model, ids, self.temperature)[0]
+                                    logq[rows, k] = (lp * mask[rows].to(lp.device)).sum(1).double().cpu()
+                    for i, v in enumerate(own):  # the version that made a sample: the sampler's own likelihood
+                        if v == j:
+                            logq[i, k] = mu_seq[i]
+            finally:
+                if live is not None:
+                    with torch.no_grad():
+                        for p, w in zip(self.model.parameters(), live):
+                            p.copy_(w)
+            rows = [i for i, v in enumerate(own) if v is not None and not torch.isnan(logq[i]).any()]
+            if rows:
+                log_mix[rows] = losses.balance_log_mixture(logq[rows], counts)
+        prox.log_mix = log_mix.to(self.device)
+        snap_bytes = sum(sum(w.numel() * w.element_size() for w in ws) for ws in self.snapshots.values())
+        return {"mis_balance/versions": float(len(versions)), "mis_balance/fallback": float(fallback),
+                "mis_balance/mixed_samples": float(sum(v is None for v in own)),
+                "mis_balance/score_s": time.monotonic() - t0, "mis_balance/snapshot_mb": snap_bytes / 2**20}
 
     def _record_proximal(self, prox: "_Proximal", batch: Batch, rows: torch.Tensor, keep: float,
                          ids: torch.Tensor, logp: torch.Tensor, logits: torch.Tensor) -> None:
@@ -247,7 +311,7 @@ class TrainCore:
             if prox.ref is not None:
                 with torch.no_grad():
                     prox.ref[rows] = self._logprobs(self.ref_model, ids, self.temperature)[0]
-        mm = losses.mismatch_sums(logp, mu, mask, self.tcfg)
+        mm = losses.mismatch_sums(logp, mu, mask, self.tcfg, None if prox.log_mix is None else prox.log_mix[rows])
         prox.mx = torch.maximum(prox.mx, mm.pop("mismatch_max").cpu())
         for k, v in {"entropy_sum": losses.token_entropy_sum(logits, mask),
                      **{f"mm_{k}": v for k, v in mm.items()}}.items():
@@ -270,7 +334,8 @@ class TrainCore:
             ent = losses.token_entropy(logits) if self.entropy_coef > 0 else None
             loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, batch.advantages[rows].to(self.device),
                                              self.tcfg, ref=ref, denominators=den, entropy=ent,
-                                             entropy_coef=self.entropy_coef)
+                                             entropy_coef=self.entropy_coef,
+                                             log_mix=None if prox.log_mix is None else prox.log_mix[rows])
             (loss * self.world).backward()
             for k, v in {"loss": loss.detach().double(), **stats}.items():
                 sums[k] = sums.get(k, 0) + v.detach().cpu().double()

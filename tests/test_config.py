@@ -20,6 +20,15 @@ def test_cli_override_wins_over_yaml():
     assert cfg.buffer.max_staleness == 0 and cfg.trainer.lr == pytest.approx(0.01)
 
 
+def test_mis_balance_is_accepted_with_consistent_rollouts():
+    for ov in (["generator.on_update=drain"], ["run.mode=sync"]):
+        cfg = load_config(REPO / "configs" / "tiny.yaml", ["trainer.correction=mis_balance", *ov])
+        assert cfg.trainer.correction == "mis_balance"
+    with pytest.raises(ConfigError, match="carry_over"):
+        load_config(REPO / "configs" / "tiny.yaml", ["trainer.correction=mis_balance", "generator.on_update=drain",
+                                                     "generator.carry_over=save"])
+
+
 @pytest.mark.parametrize(
     "override, must_name",
     [
@@ -37,6 +46,7 @@ def test_cli_override_wins_over_yaml():
         ("buffer.window=2", "buffer.window"),
         ("buffer.slope_tstat=-1", "buffer.slope_tstat"),
         ("buffer.slope_threshold=0.1", "buffer.slope_threshold"),  # replaced by slope_tstat
+        ("trainer.correction=mis_balance", "generator.on_update=drain"),  # tiny.yaml: keep, mixed versions
     ],
 )
 def test_bad_config_names_the_key(override, must_name):

@@ -268,3 +268,35 @@ def test_is_ess_is_zero_when_masked_is_drops_every_token():
     m = finalize_mismatch({k: v.item() for k, v in mismatch_sums(
         old, old - 2.0, torch.ones(1, 3, dtype=torch.float64), TrainerConfig(correction="mis")).items()})
     assert m["is_ess"] == 0.0 and m["is_ess_raw"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("versions", [2, 3])
+def test_mis_balance_weights_match_a_float64_reference(versions):
+    """Constructed batch: samples from J versions with counts n_j; each sample's weight is
+    π_old(y) / Σ_j (n_j/n) q_j(y), computed here from per-token probabilities by definition."""
+    from pipeline.losses import balance_log_mixture
+
+    g = torch.Generator().manual_seed(versions)
+    n, t = 7, 6
+    counts = [4, 3] if versions == 2 else [3, 2, 2]
+    own = [j for j, c in enumerate(counts) for _ in range(c)]
+    mask = (torch.rand(n, t, generator=g) > 0.2).double()
+    old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2
+    tok_q = [-torch.rand(n, t, generator=g, dtype=torch.float64) * 2 for _ in counts]  # log q_j per token
+    mu = torch.stack([tok_q[own[i]][i] for i in range(n)])  # the sampler's own version's logprobs
+    cfg = TrainerConfig(correction="mis_balance", is_cap=50.0)
+    logq = torch.stack([(q * mask).sum(1) for q in tok_q], dim=1)
+    w, _ = is_weights(old, mu, mask, cfg, balance_log_mixture(logq, torch.tensor(counts)))
+    for i in range(n):
+        p = math.prod(math.exp(old[i, k].item()) for k in range(t) if mask[i, k])
+        den = sum(counts[j] / n * math.prod(math.exp(tok_q[j][i, k].item()) for k in range(t) if mask[i, k])
+                  for j in range(len(counts)))
+        expect = min(p / den, cfg.is_cap)
+        for k in range(t):
+            assert w[i, k].item() == pytest.approx(expect if mask[i, k] else w[i, k].item(), rel=1e-9)
+    # one version: the balance heuristic is sequence IS
+    one = balance_log_mixture((mu * mask).sum(1, keepdim=True), torch.tensor([n]))
+    seq = is_weights(old, mu, mask, TrainerConfig(correction="seq_is", is_cap=50.0))[0]
+    assert torch.allclose(is_weights(old, mu, mask, cfg, one)[0], seq)
+    with pytest.raises(ValueError, match="log_mix"):
+        is_weights(old, mu, mask, cfg)

@@ -4,6 +4,7 @@ PPO minibatches / epochs against a fixed π_old."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from pipeline.config import Config, ModelConfig, TrainerConfig
 from pipeline.losses import policy_loss
 from pipeline.model import token_logprobs
 from pipeline.train_checks import BadBatchError
-from pipeline.train_core import NonFiniteLossError, TrainCore, minibatch_plan
+from pipeline.train_core import NonFiniteLossError, TrainCore, _Proximal, minibatch_plan
 from pipeline.types import Batch
 
 
@@ -338,3 +339,64 @@ def test_nonfinite_later_minibatch_raises_before_its_own_update(cfg):
     assert not same(before, weights(core)) and core.version == 0
     assert all(p.grad is None for p in core.model.parameters())
     assert core.optimizer.state_dict()["state"][0]["step"] == 1  # exactly one optimizer step ran
+
+
+def test_mis_balance_scores_every_sample_under_every_version_of_its_batch(cfg):
+    """Three steps make versions 0, 1, 2; a batch with samples of all three (and one spanning two)
+    gets log Σ_j α_j q_j(y) with q_j from the sampler for a sample's own version and from a copy of
+    version j's weights (taken here by hand) for the others."""
+    c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, correction="mis_balance"),
+                            generator=dataclasses.replace(cfg.generator, on_update="drain"),
+                            buffer=dataclasses.replace(cfg.buffer, max_staleness=3))
+    core = TrainCore(c)
+    copies = {}
+    for v in range(3):
+        copies[v] = weights(core)
+        core.train_step(make_batch(core.model, seed=10 + v))
+    copies[3] = weights(core)
+    b = make_batch(core.model, n=7, seed=20, mu_noise=0.3)
+    own = [0, 0, 1, 2, 2, 2, 3]
+    ver = b.versions.clone()
+    for i, v in enumerate(own):
+        ver[i][b.loss_mask[i] > 0] = v
+    ver[6, -2:] = 2  # sample 6 spans versions 3 and 2: no single proposal
+    b = replace(b, versions=ver, trainer_version=3)
+    mask = b.loss_mask[:, 1:].float()
+    mu = (b.behaviour_logprobs[:, 1:] * mask).sum(1).double()
+    ref = TrainCore(c)
+    logq = torch.zeros(7, 4, dtype=torch.float64)
+    for j in range(4):
+        ref.model.load_state_dict(copies[j])
+        with torch.no_grad():
+            logq[:, j] = (token_logprobs(ref.model, b.input_ids) * mask).sum(1).double()
+    for i, v in enumerate(own[:6]):
+        logq[i, v] = mu[i]
+    alpha = torch.tensor([2, 1, 3, 0], dtype=torch.float64) / 6  # sample 6 is not counted in any version
+    expect = [math.log(sum(alpha[j] * math.exp(logq[i, j]) for j in range(3) if alpha[j] > 0)) for i in range(6)]
+    prox = _Proximal(torch.zeros(mask.shape), None)
+    plan = minibatch_plan(7, 1, 1, 0, c.trainer.micro_batch_size)
+    before = weights(core)
+    m = core._balance_mixture(b, plan, prox)
+    assert same(before, weights(core))  # the live weights are back after scoring with the snapshots
+    assert prox.log_mix[:6].tolist() == pytest.approx(expect, abs=1e-4)
+    assert prox.log_mix[6].item() == pytest.approx(mu[6].item(), abs=1e-6)  # seq_is's weight
+    assert m["mis_balance/versions"] == 3 and m["mis_balance/mixed_samples"] == 1 and m["mis_balance/fallback"] == 0
+    assert sorted(core.snapshots) == [0, 1, 2, 3]  # max_staleness = 3 versions before 3, and 3 itself
+    assert m["mis_balance/snapshot_mb"] > 0
+    metrics = core.train_step(b)
+    assert metrics["version"] == 4.0 and 0 < metrics["is_ess"] <= 1
+
+
+def test_mis_balance_without_a_snapshot_falls_back_to_seq_is(cfg):
+    c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, correction="mis_balance"),
+                            generator=dataclasses.replace(cfg.generator, on_update="drain"))
+    core = TrainCore(c)
+    b = make_batch(core.model, seed=3, mu_noise=0.2)
+    core.version = 5  # as after a resume: versions 4 and 5 in the batch, no snapshot of 4
+    ver = torch.where(b.loss_mask > 0, 5, -1).long()
+    ver[0][b.loss_mask[0] > 0] = 4
+    prox = _Proximal(torch.zeros(b.loss_mask[:, 1:].shape), None)
+    m = core._balance_mixture(replace(b, versions=ver, trainer_version=5),
+                              minibatch_plan(6, 1, 1, 0, c.trainer.micro_batch_size), prox)
+    mu = (b.behaviour_logprobs[:, 1:] * b.loss_mask[:, 1:]).sum(1)
+    assert m["mis_balance/fallback"] == 1 and prox.log_mix.tolist() == pytest.approx(mu.tolist(), abs=1e-5)
