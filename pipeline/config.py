@@ -260,7 +260,9 @@ class TrainerConfig:
     backend: str = "gloo"
     """torch.distributed backend: gloo (CPU) | nccl (GPU)."""
     tensor_parallel: int = 1
-    """torchtitan tensor-parallel degree; only 1 is supported in this build (FSDP2 over num_ranks)."""
+    """Tensor-parallel degree tp (dividing num_ranks): the ranks form a (num_ranks / tp) x tp mesh,
+    FSDP2 over the first axis, Colwise/Rowwise DTensor sharding of every block's projections and the
+    output head over the second (pipeline/train_core.py). On CPU with gloo and on GPU with nccl."""
     lr: float = 3e-4
     """AdamW learning rate (0 < lr <= 1)."""
     warmup_steps: int = 0
@@ -335,8 +337,9 @@ class TrainerConfig:
         _choice("trainer.backend", self.backend, ("gloo", "nccl"))
         _check(not (self.device == "cpu" and self.backend == "nccl"), "trainer.backend", self.backend,
                "'gloo' when trainer.device='cpu'")
-        _check(self.tensor_parallel == 1, "trainer.tensor_parallel", self.tensor_parallel,
-               "1 (tensor parallelism is not wired in this build; FSDP2 shards over trainer.num_ranks)")
+        _check(1 <= self.tensor_parallel <= self.num_ranks and self.num_ranks % self.tensor_parallel == 0,
+               "trainer.tensor_parallel", self.tensor_parallel,
+               f"a divisor of trainer.num_ranks={self.num_ranks} (the ranks form a num_ranks/tp x tp mesh)")
         _check(0 < self.lr <= 1, "trainer.lr", self.lr, "0 < lr <= 1")
         _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, ">= 0")
         _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")

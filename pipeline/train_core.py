@@ -22,6 +22,17 @@ batch, so no collective is needed for them), and each rank's loss is scaled by `
 FSDP2 averages gradients across ranks; the sum of shard gradients then equals the single-rank
 gradient. Every rank runs the same number of micro-batches per minibatch, computed from the global
 minibatch size (an empty one runs a zero-weighted row), so FSDP collectives always pair up.
+
+Tensor parallelism (trainer.tensor_parallel = tp > 1): the ranks form a 2-D mesh (fsdp = world / tp,
+tp), rank r at (r // tp, r % tp). Each block's fused QKV and FFN w1/w3 are column-sharded and wo/w2
+row-sharded over the tp axis (torch DTensor Colwise/RowwiseParallel on the torchtitan modules; the
+fused QKV weight is laid out KV group by KV group, so a column shard is whole heads), an untied
+output head is column-sharded with its logits gathered (a head tied to the embedding stays whole,
+or sharding would untie it); FSDP2 then shards over the fsdp axis (when it is
+> 1). The tp ranks of an fsdp index train the same rows: data is split over the fsdp axis only,
+losses are scaled by its size, and metric sums are divided by tp. The q/k norms act on each rank's
+own heads, so their gradients are summed over the tp axis before the clip. Weight export gathers
+the DTensor shards (full_tensor), so the generators get the same weights as from tp = 1.
 """
 
 from __future__ import annotations
@@ -98,10 +109,22 @@ class _Proximal:
     mx: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: a DTensor's local shard, a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class TrainCore:
     def __init__(self, cfg: Config, rank: int = 0, world: int = 1) -> None:
         self.cfg, self.tcfg = cfg, cfg.trainer
         self.rank, self.world = rank, world
+        self.tp = self.tcfg.tensor_parallel
+        if world % self.tp:
+            raise ValueError(f"trainer.tensor_parallel={self.tp} does not divide the {world} trainer ranks")
+        self.dp_world, self.dp_rank = world // self.tp, rank // self.tp  # the data-parallel (fsdp) axis
+        self.tp_group = None
         torch.manual_seed(cfg.run.seed)
         self.hf_dir = model_dir(cfg.model)
         self.vocab_size = int(read_hf_config(self.hf_dir)["vocab_size"])
@@ -115,7 +138,10 @@ class TrainCore:
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.mesh = init_device_mesh(self.tcfg.device, (world,), mesh_dim_names=("fsdp",))
+            self.mesh = init_device_mesh(self.tcfg.device, (self.dp_world, self.tp), mesh_dim_names=("fsdp", "tp"))
+            self.tp_group = self.mesh["tp"].get_group() if self.tp > 1 else None
+        elif self.tp > 1:
+            raise RuntimeError(f"TrainCore: trainer.tensor_parallel={self.tp} needs torch.distributed over its ranks")
         self.model, self.adapter = self._build(dtype)
         self.ref_model = None
         if self.tcfg.kl_coef > 0:  # frozen reference for the KL penalty: initial policy until set_reference
@@ -140,19 +166,41 @@ class TrainCore:
 
     def _build(self, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
         model, adapter = build_model(self.hf_dir, self.device, dtype)
-        if self.mesh is not None:
+        if self.tp > 1:
+            self._tensor_parallel(model)
+        if self.mesh is not None and self.dp_world > 1:
             from torch.distributed.fsdp import fully_shard
 
+            dp = self.mesh["fsdp"]
             for block in model.layers.values():
-                fully_shard(block, mesh=self.mesh)
-            fully_shard(model, mesh=self.mesh)
+                fully_shard(block, mesh=dp)
+            fully_shard(model, mesh=dp)
         return model, adapter
+
+    def _tensor_parallel(self, model: torch.nn.Module) -> None:
+        """Shard the blocks' projections and the output head over the tp axis (module docstring)."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        conf, tp = read_hf_config(self.hf_dir), self.tp
+        for key in ("num_key_value_heads", "intermediate_size", "vocab_size"):
+            if conf[key] % tp:
+                raise ValueError(f"trainer.tensor_parallel={tp} does not divide the model's {key}={conf[key]} "
+                                 "(attention is sharded by KV head group, the FFN and output head by columns)")
+        mesh = self.mesh["tp"]
+        plan = {"attention.qkv_linear.wqkv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel()}
+        for block in model.layers.values():
+            parallelize_module(block, mesh, plan)
+        if model.lm_head.weight is not model.tok_embeddings.weight:  # a tied head stays whole (and tied)
+            parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
 
     # ------------------------------------------------------------------ steps
 
     def _micro_batches(self, n: int) -> list[tuple[torch.Tensor, float]]:
         """This rank's (row indices, weight) micro-batches of all n rows taken as one minibatch."""
-        return minibatch_plan(n, 1, self.world, self.rank, self.tcfg.micro_batch_size)[0][1]
+        return minibatch_plan(n, 1, self.dp_world, self.dp_rank, self.tcfg.micro_batch_size)[0][1]
 
     def _logprobs(self, model: torch.nn.Module, ids: torch.Tensor,
                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +240,7 @@ class TrainCore:
             raise BadBatchError(f"trainer: batch has {batch.num_samples} samples, fewer than "
                                 f"trainer.minibatches={t.minibatches}")
         mask_all = batch.loss_mask[:, 1:].float()
-        plan = minibatch_plan(batch.num_samples, t.minibatches, self.world, self.rank, t.micro_batch_size)
+        plan = minibatch_plan(batch.num_samples, t.minibatches, self.dp_world, self.dp_rank, t.micro_batch_size)
         self.model.train()
         prox = _Proximal(torch.zeros(mask_all.shape, device=self.device),
                          torch.zeros(mask_all.shape, device=self.device) if self.ref_model is not None else None)
@@ -254,8 +302,9 @@ class TrainCore:
 
         t0 = time.monotonic()
         keep = self.cfg.buffer.max_staleness
+        self._resharded()
         with torch.no_grad():
-            self.snapshots[self.version] = [p.detach().clone() for p in self.model.parameters()]
+            self.snapshots[self.version] = [_local(p).detach().clone() for p in self.model.parameters()]
         for v in [v for v in self.snapshots if v < self.version - keep]:
             del self.snapshots[v]
         mask = batch.loss_mask[:, 1:].float()
@@ -270,13 +319,14 @@ class TrainCore:
         if versions and not fallback:
             counts = torch.tensor([sum(1 for v in own if v == j) for j in versions], dtype=torch.float64)
             logq = torch.full((batch.num_samples, len(versions)), float("nan"), dtype=torch.float64)
-            live = [p.detach().clone() for p in self.model.parameters()] if len(versions) > 1 else None
+            live = [_local(p).detach().clone() for p in self.model.parameters()] if len(versions) > 1 else None
             try:
                 for k, j in enumerate(versions):
                     if len(versions) > 1:  # q_j of the other versions' samples: forwards with version j's weights
+                        self._resharded()
                         with torch.no_grad():
                             for p, w in zip(self.model.parameters(), self.snapshots[j]):
-                                p.copy_(w)
+                                _local(p).copy_(w)
                             for _, micro in plan:
                                 for rows, _keep in micro:
                                     ids = batch.input_ids[rows].to(self.device)
@@ -287,9 +337,10 @@ class TrainCore:
                             logq[i, k] = mu_seq[i]
             finally:
                 if live is not None:
+                    self._resharded()
                     with torch.no_grad():
                         for p, w in zip(self.model.parameters(), live):
-                            p.copy_(w)
+                            _local(p).copy_(w)
             rows = [i for i, v in enumerate(own) if v is not None and not torch.isnan(logq[i]).any()]
             if rows:
                 log_mix[rows] = losses.balance_log_mixture(logq[rows], counts)
@@ -298,6 +349,12 @@ class TrainCore:
         return {"mis_balance/versions": float(len(versions)), "mis_balance/fallback": float(fallback),
                 "mis_balance/mixed_samples": float(sum(v is None for v in own)),
                 "mis_balance/score_s": time.monotonic() - t0, "mis_balance/snapshot_mb": snap_bytes / 2**20}
+
+    def _resharded(self) -> None:
+        """FSDP2 may leave the root's parameters unsharded after a forward; reshard so parameters are
+        always seen as this rank's shards (what the snapshots hold)."""
+        if hasattr(self.model, "reshard"):
+            self.model.reshard()
 
     def _record_proximal(self, prox: "_Proximal", batch: Batch, rows: torch.Tensor, keep: float,
                          ids: torch.Tensor, logp: torch.Tensor, logits: torch.Tensor) -> None:
@@ -336,7 +393,7 @@ class TrainCore:
                                              self.tcfg, ref=ref, denominators=den, entropy=ent,
                                              entropy_coef=self.entropy_coef,
                                              log_mix=None if prox.log_mix is None else prox.log_mix[rows])
-            (loss * self.world).backward()
+            (loss * self.dp_world).backward()
             for k, v in {"loss": loss.detach().double(), **stats}.items():
                 sums[k] = sums.get(k, 0) + v.detach().cpu().double()
         red = self._all_reduce(sums)
@@ -361,7 +418,7 @@ class TrainCore:
         for rows, keep in self._micro_batches(input_ids.shape[0]):
             logp, _ = self._logprobs(self.model, input_ids[rows].to(self.device))
             loss = -(logp * mask_all[rows].to(self.device) * keep).sum() / n_tok
-            (loss * self.world).backward()
+            (loss * self.dp_world).backward()
             total += loss.detach().double().cpu()
         loss_v = self._all_reduce({"loss": total})["loss"]
         if not math.isfinite(loss_v):
@@ -379,8 +436,11 @@ class TrainCore:
         return {"loss": loss_v, "grad_norm": norm, "tokens": n_tok}
 
     def _clip_and_step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if self.tp > 1:
+            norm = self._tp_clip()
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"trainer: grad norm is {norm} at version {self.version}; "
@@ -388,6 +448,30 @@ class TrainCore:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._check_weights()
+        return norm
+
+    def _tp_clip(self) -> float:
+        """Gradient clip under tensor parallelism: first sum the grads of parameters that are plain
+        (or only fsdp-sharded) but computed from this rank's heads alone (the q/k norms) over the tp
+        axis; then the global norm, each DTensor's from its own shards, each other tensor once."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            on_tp = isinstance(g, DTensor) and g.device_mesh.mesh_dim_names and "tp" in g.device_mesh.mesh_dim_names
+            if not on_tp and (".q_norm." in name or ".k_norm." in name):
+                dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self.tp_group)
+            n = torch.linalg.vector_norm(g)
+            sq += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+        norm = math.sqrt(float(sq))
+        if math.isfinite(norm) and norm > self.tcfg.grad_clip:
+            with torch.no_grad():
+                for p in params:
+                    p.grad.mul_(self.tcfg.grad_clip / (norm + 1e-6))
         return norm
 
     def _check_weights(self) -> None:
@@ -417,6 +501,8 @@ class TrainCore:
             if mx is not None:
                 mx = mx.to(self.device)
                 dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        if self.tp > 1:  # the tp ranks of an fsdp index computed the same rows: count them once
+            vec = vec / self.tp
         out = dict(zip(keys, vec.cpu().tolist()))
         if mx is not None:
             out["mm_mismatch_max"] = float(mx)
