@@ -40,16 +40,21 @@ def _check_run_outputs(out: Path, steps: int, max_staleness: int) -> None:
 
 def test_sync_mode_run_trains_every_sample_it_generates(tmp_path):
     """The synchronous baseline through the CLI: B groups on version v, train, push, and only then
-    admit for v+1, so every generator serves the trainer's version at each step and nothing is dropped."""
+    admit for v+1, so every generator serves the trainer's version at each step and nothing is dropped.
+    The trainer runs tensor-parallel (2 ranks, trainer.tensor_parallel=2): each push gathers the
+    DTensor shards, and since every sample is on-policy the sampler's probabilities of its tokens
+    equal the trainer's (mismatch_max) after every sync."""
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL,
-                        "run.mode=sync", f"run.out_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                        "run.mode=sync", "trainer.num_ranks=2", "trainer.tensor_parallel=2", f"run.out_dir={out}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "== done: 3 steps" in p.stdout
     _check_run_outputs(out, steps=3, max_staleness=0)
     rows = [r for r in _metrics(out) if "version/trainer" in r]
     assert [r["version/generator"] for r in rows] == [1, 2, 3]
     assert all(r["buffer/dropped_samples"] == 0 and r["buffer/wasted_tokens"] == 0 for r in rows), rows
+    assert all(0 <= r["mismatch_max"] < 1e-4 for r in rows), [r["mismatch_max"] for r in rows]
 
 
 def test_torchrun_two_ranks_run_the_same_job_with_two_generators(tmp_path):
