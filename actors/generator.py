@@ -151,6 +151,9 @@ class GeneratorActor(Actor):
         if self.receiver is None:
             raise RuntimeError(f"generator {self.core.gid}: apply_weights before attach_weights")
         timeout_s = self.cfg.weight_sync.timeout_s
+        if self.cfg.trainer.lora.rank:  # the push carries adapters: a new LoRA of the engine (pipeline/lora.py)
+            return await self.core.update(
+                version, lambda: self.core.load_lora(self.receiver, version, timeout_s), on_update)
         return await self.core.update(
             version, lambda: load_into_vllm(self.core.engine, self.receiver, version, timeout_s), on_update)
 

@@ -116,9 +116,10 @@ class TrainerActor(Actor):
         return self._c().load(path)
 
     @endpoint
-    async def export_hf(self, path: str) -> int:
-        """Write a vLLM-loadable HF directory; returns the version of the weights written."""
-        self._c().export_hf(path)
+    async def export_hf(self, path: str, merged: bool = False) -> int:
+        """Write a vLLM-loadable HF directory (with LoRA: base + adapter/, or `merged`); returns the
+        version of the weights written."""
+        self._c().export_hf(path, merged)
         return self._c().version
 
     @endpoint
@@ -214,8 +215,8 @@ class Trainer:
     async def load(self, path: str) -> dict:
         return await self.call_all("load", str(path))
 
-    async def export_hf(self, path: str) -> int:
-        return await self.call_all("export_hf", str(path))
+    async def export_hf(self, path: str, merged: bool = False) -> int:
+        return await self.call_all("export_hf", str(path), merged)
 
     async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):
         return await self.call_all("sync_handle", num_receivers, host, ws_cfg)

@@ -263,7 +263,28 @@ def sweep_segments(min_age_s: float = MIN_AGE_S, names: Iterable[str] | None = N
                     candidates.add(name)
             except FileNotFoundError:
                 pass
-    return _unlink_unused(candidates)
+    return _unlink_unused(candidates) + _sweep_lora_dirs()
+
+
+LORA_PREFIX = "mrl-lora-"  # a generator's LoRA adapter directories (RolloutEngine._start_lora): mrl-lora-<pid>-*
+
+
+def _sweep_lora_dirs() -> list[str]:
+    """Remove the LoRA adapter directories whose generator process is gone."""
+    import shutil
+
+    out = []
+    try:
+        entries = list(os.scandir(SHM_DIR))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        parts = e.name[len(LORA_PREFIX):].split("-", 1)
+        if e.name.startswith(LORA_PREFIX) and e.is_dir(follow_symlinks=False) and parts[0].isdigit() \
+                and not _pid_alive(int(parts[0])):
+            shutil.rmtree(e.path, ignore_errors=True)
+            out.append(e.name)
+    return out
 
 
 def _own_segments() -> list[str]:

@@ -252,6 +252,30 @@ class BufferConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (pipeline/lora.py): 0 trains the full model; 8, 16, 32, 64, 128 or 256 train only
+    low-rank adapters on trainer.lora.targets, push only them, and serve them with vLLM's LoRA."""
+    alpha: float = 16.0
+    """LoRA scale numerator: the adapters add (alpha / rank) B A x (> 0)."""
+    targets: str = "wqkv,wo,w1,w2,w3"
+    """Comma-separated torchtitan projections to adapt: wqkv (fused q/k/v), wo, w1 (gate), w2 (down), w3 (up)."""
+    export_merged: bool = True
+    """Also write out_dir/hf_checkpoint_merged (base + adapters merged) at the end of a run; the
+    adapters are always written as PEFT in out_dir/hf_checkpoint/adapter."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank in (0, 8, 16, 32, 64, 128, 256), "trainer.lora.rank", self.rank,
+               "0 (off) or one of 8, 16, 32, 64, 128, 256 (the ranks vLLM serves)")
+        _check(self.alpha > 0 and math.isfinite(self.alpha), "trainer.lora.alpha", self.alpha, "> 0")
+        from pipeline.lora import TARGETS
+
+        names = [t.strip() for t in self.targets.split(",") if t.strip()]
+        _check(bool(names) and set(names) <= set(TARGETS) and len(set(names)) == len(names), "trainer.lora.targets",
+               self.targets, "comma-separated, each once: " + ", ".join(TARGETS))
+
+
+@dataclass
 class TrainerConfig:
     num_ranks: int = 1
     """Trainer ranks (FSDP2 data-parallel shards), 1..4096."""
@@ -259,6 +283,7 @@ class TrainerConfig:
     """cpu | cuda."""
     backend: str = "gloo"
     """torch.distributed backend: gloo (CPU) | nccl (GPU)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
     tensor_parallel: int = 1
     """Tensor-parallel degree tp (dividing num_ranks): the ranks form a (num_ranks / tp) x tp mesh,
     FSDP2 over the first axis, Colwise/Rowwise DTensor sharding of every block's projections and the
@@ -612,6 +637,12 @@ class Config:
         _check(self.task.env_timeout_s < g.request_timeout_s, "task.env_timeout_s", self.task.env_timeout_s,
                f"below generator.request_timeout_s={g.request_timeout_s} (a stage end waits for a rollout's "
                "environment call within it)")
+        if self.trainer.lora.rank:  # vLLM switches adapters between requests only (pipeline/lora.py)
+            _check(g.on_update != "keep", "generator.on_update", g.on_update,
+                   "'abort' or 'drain' with trainer.lora.rank > 0: an engine switches LoRA adapters between "
+                   "requests, so requests kept running through an update would go on with the old adapter")
+            _check(self.trainer.tensor_parallel == 1, "trainer.tensor_parallel", self.trainer.tensor_parallel,
+                   "1 with trainer.lora.rank > 0 (LoRA is not sharded over tensor parallel in this build)")
         if self.trainer.correction == "mis_balance":  # one behaviour policy per sample, or no mixture to weight
             _check(self.run.mode == "sync" or (g.on_update == "drain" and g.carry_over == "keep"),
                    "trainer.correction", "mis_balance", "with consistent rollouts only: generator.on_update=drain "

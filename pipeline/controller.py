@@ -438,6 +438,10 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(procs.stop(), 30)
         killed = kill(self._gen_pids[i]) if self._local(i) else []
+        if self._local(i):  # a generator killed hard leaves its LoRA adapter directory behind
+            from pipeline.cleanup import _sweep_lora_dirs
+
+            _sweep_lora_dirs()
         if killed:  # after a clean engine shutdown only vLLM's exiting helpers are left: routine
             log.log(logging.INFO if clean else logging.WARNING, "generator%d: killed leftover processes %s", i, killed)
 
@@ -829,6 +833,9 @@ async def run(cfg: Config, host: Any = None) -> dict:
         ckpt = out / "hf_checkpoint"
         await pipe.trainer.export_hf(str(ckpt))
         summary["checkpoint"] = str(ckpt)
+        if cfg.trainer.lora.rank and cfg.trainer.lora.export_merged:  # adapters in ckpt/adapter; merged beside
+            summary["checkpoint_merged"] = str(out / "hf_checkpoint_merged")
+            await pipe.trainer.export_hf(summary["checkpoint_merged"], True)
         summary["stats"] = await pipe.stats()
         summary["restarts"] = list(pipe.restarts)
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

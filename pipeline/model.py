@@ -218,7 +218,7 @@ def export_hf(model: torch.nn.Module, adapter) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-          for k, v in model.state_dict().items()}
+          for k, v in model.state_dict().items() if ".lora_" not in k}  # LoRA adapters: pipeline/lora.py
     return adapter.to_hf(sd)
 
 

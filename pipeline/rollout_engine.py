@@ -68,6 +68,8 @@ def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
               use_tqdm_on_load=cfg.run.log_level in ("debug", "info"))  # a progress bar per engine start
     if g.engine == "vllm":
         kw["gpu_memory_utilization"] = g.gpu_memory_utilization
+    if cfg.trainer.lora.rank:  # every version is an adapter of its own (pipeline/lora.py); two live at a switch
+        kw.update(enable_lora=True, max_lora_rank=cfg.trainer.lora.rank, max_loras=2, max_cpu_loras=2)
     kw.update(extra or {})
     return AsyncEngineArgs(**kw)
 
@@ -104,6 +106,8 @@ class RolloutEngine:
         self._seq = itertools.count()
         rc = cfg.reward_model  # with a reward model: its client, unusable (scores wait) until attached
         self.rm = RewardModelClient(None, rc.chunk_tokens, rc.timeout_s, f"g{generator_id}/") if rc.path else None
+        self.lora_request = None  # with trainer.lora: the adapter of the served version, on every request
+        self.lora_dir: str | None = None  # where this engine's adapters are written (tmpfs), removed at close
 
     def attach_reward_model(self, handle, prefix: str) -> None:
         """Score with the reward model behind `handle` (actors/reward_model.py); a later call (its
@@ -132,11 +136,40 @@ class RolloutEngine:
             raise TimeoutError(f"generator {self.gid}: vLLM engine did not start within "
                                f"{self.g.start_timeout_s:.0f}s (generator.start_timeout_s)") from None
         self.version = version
+        if self.cfg.trainer.lora.rank:
+            await self._start_lora(hf_dir, version)
         await self.engine.update_weight_version(str(self.version))
         self.tok = load_tokenizer(hf_dir)
         self._gate, self._wake = asyncio.Event(), asyncio.Event()
         self._gate.set()
         return {"generator_id": self.gid, "hf_dir": str(hf_dir), "start_s": time.monotonic() - t0}
+
+    async def _start_lora(self, hf_dir, version: int) -> None:
+        """A tmpfs directory for this engine's adapters (mrl-lora-<pid>-*, swept once the pid is gone),
+        and the adapter a started-from export carries (the warm start's, or the latest on a restart)."""
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.lora_dir = tempfile.mkdtemp(prefix=f"mrl-lora-{os.getpid()}-", dir=root)
+        start = os.path.join(str(hf_dir), "adapter")
+        if os.path.isfile(os.path.join(start, "adapter_config.json")):
+            req = LoRARequest(f"v{version}", version + 1, start)
+            if not await self.engine.add_lora(req):
+                raise GeneratorBroken(f"generator {self.gid}: vLLM refused the starting adapter in {start}")
+            self.lora_request = req
+
+    async def load_lora(self, receiver, version: int, timeout_s: float) -> None:
+        """The `load` of an update under LoRA: the pushed adapters become the served adapter."""
+        from pipeline.weightsync import load_lora_into_vllm
+
+        prev = self.lora_request if self.lora_request is not None and self.lora_dir and \
+            self.lora_request.lora_path.startswith(self.lora_dir) else None
+        if self.lora_request is not None and prev is None:  # the starting adapter (not ours to delete)
+            await self.engine.remove_lora(self.lora_request.lora_int_id)
+        self.lora_request = await load_lora_into_vllm(self.engine, receiver, version, timeout_s, self.lora_dir,
+                                                      self.cfg.trainer.lora, prev)
 
     async def close(self) -> None:
         if self._loop_task is not None:
@@ -150,6 +183,11 @@ class RolloutEngine:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.lora_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
+            self.lora_dir = None
 
     def check(self) -> None:
         """Raise if the generator is broken (called by every endpoint)."""
@@ -403,7 +441,8 @@ class RolloutEngine:
         context = traj.context()
         try:
             async with asyncio.timeout(self.g.request_timeout_s):
-                async for out in self.engine.generate({"prompt_token_ids": context}, sp, request_id=rid):
+                async for out in self.engine.generate({"prompt_token_ids": context}, sp, request_id=rid,
+                                                      lora_request=self.lora_request):
                     final = out
                     if stream:
                         c = out.outputs[0]
@@ -583,7 +622,8 @@ class RolloutEngine:
                 try:
                     async with asyncio.timeout(self.g.request_timeout_s):
                         async for out in self.engine.generate({"prompt_token_ids": t.context()}, sp,
-                                                              request_id=f"eval{self.gid}-{next(self._seq)}-{i}"):
+                                                              request_id=f"eval{self.gid}-{next(self._seq)}-{i}",
+                                                              lora_request=self.lora_request):
                             final = out
                 except ValueError as e:  # vLLM's input validation (VLLMValidationError is a ValueError)
                     raise RequestError("rejected_by_engine", str(e)) from e

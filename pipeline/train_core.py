@@ -148,7 +148,7 @@ class TrainCore:
             self.ref_model, _ = self._build(dtype)
             self.ref_model.requires_grad_(False)
         self.entropy_coef = self.tcfg.entropy_coef  # adapted after each step when trainer.entropy_target > 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.tcfg.lr,
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.tcfg.lr,
                                            weight_decay=self.tcfg.weight_decay)
         warm = self.tcfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -166,6 +166,10 @@ class TrainCore:
 
     def _build(self, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
         model, adapter = build_model(self.hf_dir, self.device, dtype)
+        if self.tcfg.lora.rank:  # before any sharding: the adapters are parameters like the others
+            from pipeline.lora import apply_lora
+
+            apply_lora(model, self.tcfg.lora)
         if self.tp > 1:
             self._tensor_parallel(model)
         if self.mesh is not None and self.dp_world > 1:
@@ -523,17 +527,41 @@ class TrainCore:
     def hf_meta(self) -> dict[str, torch.Tensor]:
         """HF-named meta tensors (global shapes, no data) for a weight-sync plan. Collective under
         FSDP: torchtitan's fused-QKV state_dict hook gathers, so every rank must call it."""
-        sd = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.model.state_dict().items()}
+        if self.tcfg.lora.rank:  # a push carries the adapters only
+            return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.hf_state_dict().items()}
+        sd = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.model.state_dict().items()
+              if ".lora_" not in k}
         return self.adapter.to_hf(sd)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named tensors; a collective under FSDP, so every rank must call it."""
+        """What a weight push carries: full HF-named tensors, or with LoRA the adapters alone under
+        PEFT names (pipeline/lora.py); a collective under FSDP, so every rank must call it."""
+        if self.tcfg.lora.rank:
+            from pipeline.lora import peft_state_dict
+
+            return peft_state_dict(self.model, read_hf_config(self.hf_dir), self.tcfg.lora)
         return export_hf(self.model, self.adapter)
 
-    def export_hf(self, out_dir: str | Path) -> str:
-        """Write a vLLM-loadable HF directory. Collective: every rank gathers, rank 0 writes."""
+    def export_hf(self, out_dir: str | Path, merged: bool = False) -> str:
+        """Write a vLLM-loadable HF directory. Collective: every rank gathers, rank 0 writes. With
+        LoRA: the (frozen) base weights and the adapters as PEFT in out_dir/adapter, which a
+        generator started on out_dir serves (a restart, the warm start); `merged`: base + adapters
+        merged into the weights instead (a model any HF or vLLM loader serves as is)."""
+        lcfg = self.tcfg.lora
+        peft = self.hf_state_dict() if lcfg.rank else None  # collective: before rank 0's writes
         if self.rank == 0:
             save_hf_checkpoint(self.model, self.adapter, self.hf_dir, Path(out_dir))
+            if peft is not None:
+                from safetensors.torch import load_file, save_file
+
+                from pipeline.lora import merge_into_hf, write_peft
+
+                if merged:
+                    path = Path(out_dir) / "model.safetensors"
+                    save_file({k: v.contiguous() for k, v in merge_into_hf(load_file(str(path)), peft, lcfg).items()},
+                              str(path), metadata={"format": "pt"})
+                else:
+                    write_peft(Path(out_dir) / "adapter", peft, lcfg, str(self.hf_dir))
         else:
             export_hf(self.model, self.adapter)  # pairs with rank 0's gathers inside save_hf_checkpoint
         self._barrier()
@@ -554,6 +582,8 @@ class TrainCore:
         out: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             out[f"model.{name}"] = p.detach()
+            if not p.requires_grad:  # frozen (the base under LoRA): no optimizer state
+                continue
             st = self.optimizer.state[p]
             if not st:  # fresh optimizer: materialise AdamW state so DCP can load into it in place
                 st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.detach()),

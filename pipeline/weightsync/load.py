@@ -80,3 +80,64 @@ async def _mark_invalid(engine, version: int) -> None:
         await asyncio.wait_for(engine.update_weight_version(f"{INVALID_PREFIX}{version}"), 30)
     except Exception:  # the engine may be dead; the raised load error already says do not serve
         pass
+
+
+def read_staged(receiver: WeightReceiver, version: int) -> dict:
+    """The staged `version` as tensors (copies), checked against its segment header before and after."""
+    from pipeline.weightsync import segment as segmod
+
+    plan = receiver.plan
+    name = receiver.staged_segment(version)
+    seg = segmod.Segment(name, plan.total_bytes, create=False)
+    try:
+        segmod.check_header(seg.header, version, plan.hash_int, f"segment {name}")
+        out = {k: v.clone() for k, v in plan.unpack(seg.data, version)}
+        segmod.check_header(seg.header, version, plan.hash_int, f"segment {name}", after_read=True)
+    finally:
+        seg.close()
+    return out
+
+
+async def load_lora_into_vllm(engine, receiver: WeightReceiver, version: int, timeout_s: float, lora_dir: str,
+                              lcfg, previous=None):
+    """A pushed LoRA version (PEFT-named adapters, pipeline/lora.py) as a new adapter of `engine`:
+    written as a PEFT directory under `lora_dir`, added (LoRARequest id version + 1), the engine
+    labelled with `version`, and `previous` (the adapter it replaces) removed. Returns the new
+    LoRARequest, which every later request must carry. On failure the engine stops claiming a
+    version, as load_into_vllm does."""
+    from pathlib import Path
+
+    from vllm.lora.request import LoRARequest
+
+    from pipeline.lora import remove_dir, write_peft
+
+    path = Path(lora_dir) / f"v{version}"
+
+    async def run():
+        sd = await asyncio.to_thread(read_staged, receiver, version)
+        await asyncio.to_thread(write_peft, path, sd, lcfg)
+        req = LoRARequest(f"v{version}", version + 1, str(path))
+        if not await engine.add_lora(req):
+            raise WeightLoadError(f"version {version}: vLLM refused the adapter in {path}")
+        await engine.update_weight_version(str(version))
+        return req
+
+    try:
+        req = await asyncio.wait_for(run(), timeout_s)
+    except BaseException as e:
+        await _mark_invalid(engine, version)
+        remove_dir(path)
+        if isinstance(e, asyncio.TimeoutError):
+            raise SyncTimeoutError(f"version {version}: adding the LoRA adapter did not finish within "
+                                   f"{timeout_s:.1f}s; do not serve") from None
+        if isinstance(e, Exception) and not isinstance(e, WeightSyncError):
+            raise WeightLoadError(f"version {version}: vLLM failed to add the LoRA adapter: "
+                                  f"{type(e).__name__}: {e}") from e
+        raise
+    if previous is not None:
+        try:
+            await asyncio.wait_for(engine.remove_lora(previous.lora_int_id), timeout_s)
+        finally:
+            remove_dir(previous.lora_path)
+    receiver.loaded_version = version
+    return req
