@@ -108,6 +108,7 @@ class RolloutEngine:
         self.rm = RewardModelClient(None, rc.chunk_tokens, rc.timeout_s, f"g{generator_id}/") if rc.path else None
         self.lora_request = None  # with trainer.lora: the adapter of the served version, on every request
         self.lora_dir: str | None = None  # where this engine's adapters are written (tmpfs), removed at close
+        self._lora_old: list[str] = []  # directories of replaced adapters not yet removed
 
     def attach_reward_model(self, handle, prefix: str) -> None:
         """Score with the reward model behind `handle` (actors/reward_model.py); a later call (its
@@ -164,12 +165,15 @@ class RolloutEngine:
         """The `load` of an update under LoRA: the pushed adapters become the served adapter."""
         from pipeline.weightsync import load_lora_into_vllm
 
-        prev = self.lora_request if self.lora_request is not None and self.lora_dir and \
-            self.lora_request.lora_path.startswith(self.lora_dir) else None
-        if self.lora_request is not None and prev is None:  # the starting adapter (not ours to delete)
-            await self.engine.remove_lora(self.lora_request.lora_int_id)
+        from pipeline.lora import remove_dir
+
+        prev = self.lora_request
         self.lora_request = await load_lora_into_vllm(self.engine, receiver, version, timeout_s, self.lora_dir,
                                                       self.cfg.trainer.lora, prev)
+        if prev is not None and self.lora_dir and prev.lora_path.startswith(self.lora_dir):
+            self._lora_old.append(prev.lora_path)
+        while len(self._lora_old) > 1:  # the previous version's directory stays until the next update
+            remove_dir(self._lora_old.pop(0))
 
     async def close(self) -> None:
         if self._loop_task is not None:
@@ -554,6 +558,12 @@ class RolloutEngine:
                                     self.g.request_timeout_s, "generator.request_timeout_s")
             # the load has its own bound (weight_sync.timeout_s); a dead engine would leave it waiting for it
             await self._control(load(), "weight load", math.inf, "weight_sync.timeout_s")
+            if self.lora_request is not None and self._rids:
+                # LoRA: a request still on its way into the engine when the gate closed carries the old
+                # adapter and would run after resume under the new version's label: send it again
+                late = list(self._rids.values())
+                self._resubmit.update(late)
+                await self._control(self.engine.abort(late), "abort")
             await self._control(self.engine.resume_generation(), "resume")
         except BaseException as e:
             self._break(RuntimeError(f"weight update to version {version} failed ({type(e).__name__}: {e}); "

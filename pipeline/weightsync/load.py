@@ -102,7 +102,8 @@ async def load_lora_into_vllm(engine, receiver: WeightReceiver, version: int, ti
                               lcfg, previous=None):
     """A pushed LoRA version (PEFT-named adapters, pipeline/lora.py) as a new adapter of `engine`:
     written as a PEFT directory under `lora_dir`, added (LoRARequest id version + 1), the engine
-    labelled with `version`, and `previous` (the adapter it replaces) removed. Returns the new
+    labelled with `version`, and `previous` (the adapter it replaces) removed from the engine (its
+    directory is the caller's to delete, once no request can name it). Returns the new
     LoRARequest, which every later request must carry. On failure the engine stops claiming a
     version, as load_into_vllm does."""
     from pathlib import Path
@@ -134,10 +135,7 @@ async def load_lora_into_vllm(engine, receiver: WeightReceiver, version: int, ti
             raise WeightLoadError(f"version {version}: vLLM failed to add the LoRA adapter: "
                                   f"{type(e).__name__}: {e}") from e
         raise
-    if previous is not None:
-        try:
-            await asyncio.wait_for(engine.remove_lora(previous.lora_int_id), timeout_s)
-        finally:
-            remove_dir(previous.lora_path)
+    if previous is not None:  # its directory stays: a request still naming it reloads it from there
+        await asyncio.wait_for(engine.remove_lora(previous.lora_int_id), timeout_s)
     receiver.loaded_version = version
     return req
