@@ -156,7 +156,12 @@ class RolloutEngine:
         self.lora_dir = tempfile.mkdtemp(prefix=f"mrl-lora-{os.getpid()}-", dir=root)
         start = os.path.join(str(hf_dir), "adapter")
         if os.path.isfile(os.path.join(start, "adapter_config.json")):
-            req = LoRARequest(f"v{version}", version + 1, start)
+            import shutil
+
+            # a copy of our own: the export may be removed (a restart's is), and vLLM reloads an
+            # adapter from its path after evicting it from its cache
+            own = shutil.copytree(start, os.path.join(self.lora_dir, f"v{version}"))
+            req = LoRARequest(f"v{version}", version + 1, own)
             if not await self.engine.add_lora(req):
                 raise GeneratorBroken(f"generator {self.gid}: vLLM refused the starting adapter in {start}")
             self.lora_request = req

@@ -4,6 +4,7 @@
     .venv/bin/python tools/sync_bench.py                         # tiny + ~100M, 1..256 MiB buckets
     .venv/bin/python tools/sync_bench.py --sizes tiny,100m,1b    # adds a ~1B bf16 dict (~8 GiB peak RAM)
     .venv/bin/python tools/sync_bench.py --sizes 100m-vllm       # a ~100M checkpoint loaded into vLLM
+    .venv/bin/python tools/sync_bench.py --sizes 100m,100m-lora16 --no-vllm   # LoRA adapters vs full weights
 
 A "trainer" proc (WeightSender) and a "generator" proc (WeightReceiver, plus a vLLM AsyncLLM for the
 tiny model) run as real Monarch actors. Per (transport, model, bucket size) we time pack (snapshot
@@ -59,6 +60,16 @@ def make_state_dict(size: str, hf_dir: str) -> dict[str, torch.Tensor]:
     if size in VLLM_SIZES:
         from pipeline.model import load_hf_state_dict
         return load_hf_state_dict(Path(hf_dir))
+    if "-lora" in size:  # the adapters alone (pipeline/lora.py, PEFT names): what a LoRA push carries
+        base, rank = size.split("-lora")
+        dim, layers, ffn, vocab, kv = SHAPES[base]
+        r = int(rank)
+        shapes = {"self_attn.q_proj": (dim, dim), "self_attn.k_proj": (kv, dim), "self_attn.v_proj": (kv, dim),
+                  "self_attn.o_proj": (dim, dim), "mlp.gate_proj": (ffn, dim), "mlp.up_proj": (ffn, dim),
+                  "mlp.down_proj": (dim, ffn)}
+        return {f"base_model.model.model.layers.{i}.{m}.lora_{ab}.weight":
+                torch.full((r, sh[1]) if ab == "A" else (sh[0], r), 0.5, dtype=torch.bfloat16)
+                for i in range(layers) for m, sh in shapes.items() for ab in "AB"}
     dim, layers, ffn, vocab, kv = SHAPES[size]
     sd = {"model.embed_tokens.weight": (vocab, dim)}
     for i in range(layers):
@@ -254,7 +265,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 bucket sizes, 2 reps")
     ap.add_argument("--sizes", default="tiny,100m", help="comma list of tiny,100m,1b,100m-vllm "
-                    "(at most one of tiny and 100m-vllm, the sizes loaded into vLLM)")
+                    "(at most one of tiny and 100m-vllm, the sizes loaded into vLLM), and <size>-lora<r>: "
+                    "the LoRA adapters of rank r of 100m or 1b, what a trainer.lora push carries")
     ap.add_argument("--transports", default="shm,rdma,collective")
     ap.add_argument("--buckets", default="", help="MiB list; default 1,4,16,64,256 (quick: 1,16,64)")
     ap.add_argument("--reps", type=int, default=0, help="timed reps after one warm-up (default 3, quick 2)")
@@ -264,7 +276,8 @@ def main() -> None:
     from tqdm import tqdm
 
     sizes, transports = args.sizes.split(","), args.transports.split(",")
-    unknown = [s for s in sizes if s not in (*SHAPES, *VLLM_SIZES)]
+    unknown = [s for s in sizes if s not in (*SHAPES, *VLLM_SIZES) and not
+               (s.split("-lora")[0] in SHAPES and s.split("-lora")[-1].isdigit() and "-lora" in s)]
     in_vllm = [s for s in sizes if s in VLLM_SIZES]
     if unknown or len(in_vllm) > 1:
         raise SystemExit(f"sync_bench: --sizes {args.sizes}: " + (f"unknown {unknown}" if unknown else
@@ -360,6 +373,19 @@ def report(results: list[dict], baselines: dict, out: Path) -> str:
                          f"buckets). Before the stall, "
                          f"{statistics.median(r['pause_wait_s'] for r in stalls) * 1e3:.1f} ms (median) waiting "
                          f"for the engine's step in progress to finish, which still generates")
+    for m in baselines:  # LoRA against its full model: bytes and end-to-end sync time, best bucket each
+        full = m.split("-lora")[0]
+        if "-lora" in m and full in baselines:
+            for t in dict.fromkeys(r["transport"] for r in results):
+                lo = min((r for r in results if r["model"] == m and r["transport"] == t), key=lambda r: r["e2e_s"],
+                         default=None)
+                fu = min((r for r in results if r["model"] == full and r["transport"] == t), key=lambda r: r["e2e_s"],
+                         default=None)
+                if lo and fu:
+                    lines.append(f"- {m} vs {full} over {t}: {baselines[m]['bytes'] / 1e6:.2f} MB vs "
+                                 f"{baselines[full]['bytes'] / 1e6:.1f} MB ({baselines[full]['bytes'] / baselines[m]['bytes']:.0f}x "
+                                 f"fewer bytes); sync {lo['e2e_s'] * 1e3:.1f} ms vs {fu['e2e_s'] * 1e3:.1f} ms "
+                                 f"({fu['e2e_s'] / lo['e2e_s']:.0f}x faster)")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     (out / "results.json").write_text(json.dumps({"results": results, "baselines": baselines}, indent=1))
