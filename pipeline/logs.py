@@ -50,6 +50,9 @@ BENIGN: tuple[tuple[str, str], ...] = (
     ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend"),
     ("vllm.v1.worker.cpu_worker", "is not found in LD_PRELOAD"),
     ("vllm.v1.engine.input_processor", "Passing raw prompts to InputProcessor is deprecated"),
+    # With trainer.lora, at the first request of each adapter: our adapters (pipeline/lora.py) carry
+    # no tokenizer, so the base model's is used, which is what we want.
+    ("vllm.v1.engine.input_processor", "deprecated support for supporting different tokenizers for different LoRAs"),
 )
 # A Python warning vLLM's import of its Triton shim raises (a deprecated torch alias), once per process.
 BENIGN_WARNING = "`torch.distributed.reduce_op` is deprecated"

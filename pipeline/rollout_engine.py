@@ -95,6 +95,7 @@ class RolloutEngine:
         self._carried: deque[Trajectory] = deque()  # partials saved at a stage end; resumed first
         self._dead_groups: set[int] = set()
         self._resubmit: set[str] = set()  # request ids aborted by an `abort` update
+        self._updates = 0  # updates begun: a request aborted while one began is resent, not an error
         self._saving = False
         self._admitting = False
         self._resume_on_update = False
@@ -373,12 +374,13 @@ class RolloutEngine:
             if traj.tokens and room < 1:
                 return "length"  # a resumed partial (or a later turn) that already fills its budget
             rid = f"gen{self.gid}-{traj.key}-{next(self._seq)}"
+            updates = self._updates
             finish = await self._segment(traj, rid, room)
             if finish != "abort":
                 self._resubmit.discard(rid)
                 return finish
-            if rid in self._resubmit:
-                self._resubmit.discard(rid)
+            if rid in self._resubmit or self._updates != updates:  # an update's abort (one that raced the
+                self._resubmit.discard(rid)  # request into the engine too): resend it on the new weights
                 continue
             if self._saving:
                 return "saved"
@@ -550,6 +552,7 @@ class RolloutEngine:
             raise ValueError(f"update: on_update='keep' needs an engine built with generator.on_update='keep' "
                              f"(this one has {self.g.on_update!r})")
         t0 = time.monotonic()
+        self._updates += 1
         try:
             if mode == "keep":
                 await self._control(pause_keep(self.engine), "pause")
