@@ -367,6 +367,8 @@ class RolloutEngine:
             except asyncio.TimeoutError:
                 raise TimeoutError(f"{traj.key}: weight update kept requests waiting over "
                                    f"{self.g.request_timeout_s:.0f}s") from None
+            if not self._gate.is_set():  # opened, then closed by the next update before this woke: wait
+                continue                 # for that one too (else the request would race its pause)
             if self._saving:
                 return "saved"
             room = self._turn_room(traj, min(traj.group.item.max_new_tokens or self.g.max_new_tokens,
