@@ -69,11 +69,12 @@ def test_two_rank_fsdp_matches_one_rank(loop, trainers, batch, tmp_path):
     assert moved > 1e-4  # the step changed the weights, so the comparison means something
 
 
-def test_tensor_parallel_two_ranks_match_one_rank_and_export_full_weights(loop, trainers, batch, tmp_path):
-    """trainer.tensor_parallel=2 on 2 gloo ranks: the same loss, metrics and weights after a step as
-    1 rank, read from the exported HF weights, which gather the DTensor shards as every push does."""
+def test_fsdp_by_tensor_parallel_mesh_matches_one_rank_and_export_full_weights(loop, trainers, batch, tmp_path):
+    """4 gloo ranks as a 2 (FSDP2) x 2 (tensor parallel) mesh: the same loss, metrics and weights
+    after a step as 1 rank, read from the exported HF weights, which gather the DTensor shards as
+    every push does. (tp = 2 on 2 ranks runs in tests/test_pipeline.py's sync-mode CLI run.)"""
     one = loop.run_until_complete(Trainer.start(cfg_for(1), name="t1tp"))
-    tp = loop.run_until_complete(Trainer.start(cfg_for(2, tensor_parallel=2), name="ttp"))
+    tp = loop.run_until_complete(Trainer.start(cfg_for(4, tensor_parallel=2), name="ttp"))
     try:
         w0 = hf_weights(loop, tp, tmp_path / "init")
         assert all(torch.equal(w0[k], v) for k, v in hf_weights(loop, one, tmp_path / "init1").items())
