@@ -167,6 +167,11 @@ class RolloutEngine:
                 raise GeneratorBroken(f"generator {self.gid}: vLLM refused the starting adapter in {start}")
             self.lora_request = req
 
+    def _lora_kw(self) -> dict:
+        """What a request carries with trainer.lora: the served version's adapter (none at version 0
+        of a run that starts without one)."""
+        return {"lora_request": self.lora_request} if self.lora_request is not None else {}
+
     async def load_lora(self, receiver, version: int, timeout_s: float) -> None:
         """The `load` of an update under LoRA: the pushed adapters become the served adapter."""
         from pipeline.weightsync import load_lora_into_vllm
@@ -455,7 +460,7 @@ class RolloutEngine:
         try:
             async with asyncio.timeout(self.g.request_timeout_s):
                 async for out in self.engine.generate({"prompt_token_ids": context}, sp, request_id=rid,
-                                                      lora_request=self.lora_request):
+                                                      **self._lora_kw()):
                     final = out
                     if stream:
                         c = out.outputs[0]
@@ -643,7 +648,7 @@ class RolloutEngine:
                     async with asyncio.timeout(self.g.request_timeout_s):
                         async for out in self.engine.generate({"prompt_token_ids": t.context()}, sp,
                                                               request_id=f"eval{self.gid}-{next(self._seq)}-{i}",
-                                                              lora_request=self.lora_request):
+                                                              **self._lora_kw()):
                             final = out
                 except ValueError as e:  # vLLM's input validation (VLLMValidationError is a ValueError)
                     raise RequestError("rejected_by_engine", str(e)) from e

@@ -268,7 +268,6 @@ def test_reward_model_faults_fail_the_sample_alone_and_a_killed_actor_is_replace
         res = loop.run_until_complete(go())
     finally:
         monarch.actor.unhandled_fault_hook = hook
-    assert any("rm1" in f.mesh_name for f in faults)  # the killed actor's mesh was reported
     assert res["failed"] == "reward_model_failed" and res["timeout"] == "reward_model_timeout"
     assert res["after"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
     assert res["waited"] and res["score"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
