@@ -266,6 +266,18 @@ def sweep_segments(min_age_s: float = MIN_AGE_S, names: Iterable[str] | None = N
     return _unlink_unused(candidates) + _sweep_lora_dirs()
 
 
+def held_by(pids: Iterable[int]) -> set[str]:
+    """The multiprocessing segments (psm_*, sem.mp-*) that any of `pids` maps or holds open: what a
+    process tree killed hard leaves behind (a vLLM engine's message queues). Read them before the kill."""
+    want = set(pids)
+    return {name for name, users in segment_users().items() if users & want and name.startswith(ANONYMOUS)}
+
+
+def unlink_orphaned(names: Iterable[str]) -> list[str]:
+    """Unlink each of `names` that no live process maps or holds open any more (after the kill)."""
+    return _unlink_unused(set(names))
+
+
 LORA_PREFIX = "mrl-lora-"  # a generator's LoRA adapter directories (RolloutEngine._start_lora): mrl-lora-<pid>-*
 
 

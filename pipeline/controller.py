@@ -101,6 +101,7 @@ class Pipeline:
         self.generators: list[Any] = [None] * n  # generator i's actor; None while it is restarted
         self._gen_procs: list[Any] = [None] * n
         self._gen_pids: list[list] = [[] for _ in range(n)]  # (pid, start) of its proc and engine core
+        self._gen_segs: list[set[str]] = [set() for _ in range(n)]  # /dev/shm segments its processes held at start
         self.restarts = [0] * n
         self.requeued_groups = 0
         self._failures: asyncio.Queue | None = None  # (generator index or None for fatal, cause)
@@ -198,6 +199,10 @@ class Pipeline:
         info = await timed(f"generator{i} setup", gen.setup.call_one(version, self._gen_placements[i]),
                            self.cfg.generator.start_timeout_s)
         self._gen_pids[i] = info["procs"]
+        if self._local(i):  # its engine's segments, unlinked after it stops even if all its holders died first
+            from pipeline.cleanup import held_by
+
+            self._gen_segs[i] = held_by(p for p, _ in info["procs"])
         self.placement[f"generator{i}"] = info["placement"]
         self._write_placement()
         log.info("placement: generator%d (pid %d): %s", i, info["placement"]["pid"], describe(info["placement"]))
@@ -427,7 +432,16 @@ class Pipeline:
 
     async def _stop_generator(self, i: int, gen: Any) -> None:
         """Best effort, bounded: shut the engine down, stop the proc mesh, then SIGKILL whatever of its
-        recorded processes survived (an engine core outlives a parent killed with SIGKILL)."""
+        recorded processes survived (an engine core outlives a parent killed with SIGKILL), and unlink
+        the shared-memory segments those processes held that nobody uses any more."""
+        from pipeline import cleanup
+        from pipeline.procs import descendants
+
+        held: set[str] = set()
+        if self._local(i):  # the engine's message queues: unlinked by vLLM on a clean exit, not after a kill
+            pids = {p for p, _ in self._gen_pids[i]}
+            pids |= {p for root in list(pids) for p, _ in descendants(root)}
+            held = cleanup.held_by(pids) | self._gen_segs[i]
         clean = False
         if gen is not None:
             with contextlib.suppress(Exception):
@@ -438,10 +452,11 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(procs.stop(), 30)
         killed = kill(self._gen_pids[i]) if self._local(i) else []
-        if self._local(i):  # a generator killed hard leaves its LoRA adapter directory behind
-            from pipeline.cleanup import _sweep_lora_dirs
-
-            _sweep_lora_dirs()
+        if self._local(i):  # a generator killed hard leaves its LoRA adapter directory and segments behind
+            cleanup._sweep_lora_dirs()
+            gone = cleanup.unlink_orphaned(held)
+            if gone:
+                log.info("generator%d: removed %d shared-memory segments it left: %s", i, len(gone), " ".join(gone))
         if killed:  # after a clean engine shutdown only vLLM's exiting helpers are left: routine
             log.log(logging.INFO if clean else logging.WARNING, "generator%d: killed leftover processes %s", i, killed)
 
