@@ -125,7 +125,7 @@ class GeneratorActor(Actor):
         self.receiver = WeightReceiver(handle, self.core.gid if rank is None else rank)
         self.receiver.loaded_version = self.core.version
 
-    @endpoint
+    @concurrent_endpoint  # only swaps a handle: must not queue behind a drain or an eval
     async def attach_reward_model(self, handle) -> None:
         """Score rollouts with the reward model behind `handle` (actors/reward_model.py); a later
         call, after the reward model's restart, replaces it. This generator's stream ids start

@@ -109,6 +109,9 @@ class RewardModelActor(Actor):
 
     @concurrent_endpoint
     async def stats(self) -> dict:
+        """Counters; raises if the worker ended (the supervisor then restarts this reward model)."""
+        if self._worker is not None and self._worker.done():
+            raise RuntimeError(f"reward model worker ended: {self._worker.exception() if not self._worker.cancelled() else 'cancelled'}")
         s = self.scorer
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         return {"incarnation": self.incarnation, "queued": len(self._queue), "held": s.held if s else 0,
@@ -124,7 +127,12 @@ class RewardModelActor(Actor):
             ops = list(self._queue)
             self._queue.clear()
             t0 = time.monotonic()
-            results = await asyncio.to_thread(self._run, ops)
+            try:
+                results = await asyncio.to_thread(self._run, ops)
+            except Exception as e:  # noqa: BLE001 - never a silent dead worker: these ops fail, the next are served
+                self._errors += 1
+                log.error("reward model: a round of %d operations failed: %s: %s", len(ops), type(e).__name__, e)
+                results = [{"error": f"{type(e).__name__}: {e}"}] * len(ops)
             self._busy_s += time.monotonic() - t0
             for (_, _, _, _, fut), r in zip(ops, results):
                 if fut is not None and not fut.done():

@@ -493,7 +493,8 @@ class RewardModelConfig:
     """Seconds a score may take after EOS, a reward-model restart included (> 0); past it the sample
     is rejected as reward_model_timeout (or reward_model_unavailable while it is restarted)."""
     max_batch: int = 16
-    """Sequences scored in one forward when several whole sequences wait (1..4096)."""
+    """Sequences in one reward-model forward: the streams' next chunks and the whole sequences that
+    wait together (1..4096)."""
     max_sequences: int = 4096
     """Streams (prefix caches) the reward model holds at once (1..10^6); past it the least recently
     used is dropped, and its sequence is prefilled whole at EOS."""

@@ -438,10 +438,10 @@ class Pipeline:
         from pipeline.procs import descendants
 
         held: set[str] = set()
+        tree = list(self._gen_pids[i])
         if self._local(i):  # the engine's message queues: unlinked by vLLM on a clean exit, not after a kill
-            pids = {p for p, _ in self._gen_pids[i]}
-            pids |= {p for root in list(pids) for p, _ in descendants(root)}
-            held = cleanup.held_by(pids) | self._gen_segs[i]
+            tree += [d for root, _ in self._gen_pids[i] for d in descendants(root) if d not in tree]
+            held = cleanup.held_by(p for p, _ in tree) | self._gen_segs[i]
         clean = False
         if gen is not None:
             with contextlib.suppress(Exception):
@@ -451,8 +451,11 @@ class Pipeline:
         if procs is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(procs.stop(), 30)
-        killed = kill(self._gen_pids[i]) if self._local(i) else []
+        killed = kill(tree) if self._local(i) else []
         if self._local(i):  # a generator killed hard leaves its LoRA adapter directory and segments behind
+            deadline = time.monotonic() + 5.0  # a SIGKILLed process holds its mappings until it is reaped
+            while any(alive(p) for p in tree) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             cleanup._sweep_lora_dirs()
             gone = cleanup.unlink_orphaned(held)
             if gone:

@@ -15,9 +15,9 @@ Faults, each failing the one sample (RewardRejected, counted by reason by the ge
 - reward_model_timeout: no score within reward_model.timeout_s of EOS.
 - reward_model_failed: the scorer cannot score the sequence (the actor's {"error": ...}).
 - reward_model_unavailable: the actor cannot be reached and no new one was attached in time.
-A call that fails because the actor is gone waits (within the same timeout) for `set_handle`, then
-sends the whole sequence to the new actor, which holds no streams: a reward-model restart costs
-latency, not samples.
+A call that fails because the actor is gone is retried every RETRY_S (within the same timeout), on
+the successor once the controller attaches it (`set_handle`), with the whole sequence, since the
+new actor holds no streams: a reward-model restart costs latency, not samples.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any, Sequence
 from pipeline.tasks import RewardRejected
 
 __all__ = ["RewardModelClient"]
+
+RETRY_S = 0.5  # between calls to an unreachable reward model, until reward_model.timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,11 @@ class RewardModelClient:
         if st.broken or total - st.sent < self.chunk:
             return
         tokens = [*context[st.sent:], *new[max(0, st.sent - len(context)):]]
-        call = asyncio.ensure_future(self.handle.prefill.call_one(st.seq, st.sent, tokens))
+        try:
+            call = asyncio.ensure_future(self.handle.prefill.call_one(st.seq, st.sent, tokens))
+        except Exception:  # noqa: BLE001 - the actor cannot take it now: finish sends the sequence whole
+            st.broken = True
+            return
         self._inflight.add(call)
         call.add_done_callback(lambda f, st=st: self._chunk_done(f, st))
         st.sent = total
@@ -96,6 +102,7 @@ class RewardModelClient:
         st = self._streams.pop(key, None) or self._new()
         while True:
             if st.broken or st.sent > len(tokens):
+                self._release_seq(st)  # whatever the actor holds of the old stream id
                 st = self._new()
                 self.counts["resent_whole"] += 1
             handle = self.handle
@@ -107,16 +114,15 @@ class RewardModelClient:
             except asyncio.TimeoutError:
                 raise RewardRejected("reward_model_timeout", f"no score within {self.timeout_s:.0f}s "
                                                              "(reward_model.timeout_s)") from None
-            except Exception as e:  # noqa: BLE001 - the actor is gone (or unreachable): wait for its successor
-                if self.handle is handle:
-                    self._ready.clear()
-                try:
-                    await asyncio.wait_for(self._ready.wait(), max(0.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
+            except Exception as e:  # noqa: BLE001 - the actor is gone (or unreachable): retry, on its
+                # successor once the controller attaches one (set_handle), else on the same handle
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise RewardRejected("reward_model_unavailable", f"the reward model cannot be reached "
                                          f"({type(e).__name__}: {str(e)[:200]}) and none came back within "
                                          f"{self.timeout_s:.0f}s (reward_model.timeout_s)") from None
-                st = self._new()
+                await asyncio.sleep(min(RETRY_S, left))
+                st = self._new()  # the actor may hold nothing of it now: send it whole
                 continue
             if "error" in r:
                 raise RewardRejected("reward_model_failed", r["error"])
@@ -131,17 +137,28 @@ class RewardModelClient:
     def release(self, key: str) -> None:
         """Free the reward model's state of a stream that will not be finished here."""
         st = self._streams.pop(key, None)
-        if st is not None and st.sent and self._ready.is_set():
-            call = asyncio.ensure_future(self.handle.release.call_one([st.seq]))
-            self._inflight.add(call)
-            call.add_done_callback(lambda f: (self._inflight.discard(f), f.cancelled() or f.exception()))
+        if st is not None:
+            self._release_seq(st)
+
+    def _release_seq(self, st: _Stream) -> None:
+        self._send_release([st.seq] if st.sent else [])
+
+    def _send_release(self, seqs: list[str]) -> None:
+        """Fire and forget; a release that cannot be sent is left to the actor's LRU bound."""
+        if not seqs or self.handle is None:
+            return
+        try:
+            call = asyncio.ensure_future(self.handle.release.call_one(seqs))
+        except Exception:  # noqa: BLE001
+            return
+        self._inflight.add(call)
+        call.add_done_callback(lambda f: (self._inflight.discard(f), f.cancelled() or f.exception()))
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Release every stream and wait (bounded) for calls still on their way."""
         seqs = [st.seq for st in self._streams.values() if st.sent]
         self._streams.clear()
-        if seqs and self._ready.is_set():
-            self._inflight.add(asyncio.ensure_future(self.handle.release.call_one(seqs)))
+        self._send_release(seqs)
         if self._inflight:
             await asyncio.wait(set(self._inflight), timeout=timeout_s)
 

@@ -175,7 +175,14 @@ class StreamingScorer:
             ready.append((seq, joined, st, tokens, fin))
         for k in range(0, len(ready), self.max_batch):
             part = ready[k:k + self.max_batch]
-            lasts = self._extend([(st, tokens) for _, _, st, tokens, _ in part])
+            try:
+                lasts = self._extend([(st, tokens) for _, _, st, tokens, _ in part])
+            except Exception as e:  # noqa: BLE001 - a failed forward (out of memory, say) fails its part alone
+                err = ScorerError(f"forward failed: {type(e).__name__}: {e}")
+                for _, joined, _, _, _ in part:
+                    for i in joined:
+                        results[i] = err if ops[i][0] == "finish" else False
+                continue
             for (seq, joined, st, tokens, fin), (new, last) in zip(part, lasts):
                 for i in joined[:-1]:
                     results[i] = True

@@ -307,8 +307,9 @@ class TrainCore:
         t0 = time.monotonic()
         keep = self.cfg.buffer.max_staleness
         self._resharded()
-        with torch.no_grad():
-            self.snapshots[self.version] = [_local(p).detach().clone() for p in self.model.parameters()]
+        with torch.no_grad():  # the first batch of a version: the weights its generators served (a skipped
+            if self.version not in self.snapshots:  # batch's applied minibatch steps do not replace them)
+                self.snapshots[self.version] = [_local(p).detach().clone() for p in self.model.parameters()]
         for v in [v for v in self.snapshots if v < self.version - keep]:
             del self.snapshots[v]
         mask = batch.loss_mask[:, 1:].float()
@@ -486,14 +487,15 @@ class TrainCore:
         params = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in self.model.named_parameters()]
         with torch.no_grad():
             bad = torch.stack([(~torch.isfinite(p)).sum() for _, p in params])
-        total = self._all_reduce({"nonfinite": bad.sum()})["nonfinite"]
+        total = self._all_reduce({"nonfinite": bad.sum()}, per_shard=True)["nonfinite"]
         if total:
             names = [n for (n, _), b in zip(params, bad.tolist()) if b][:3]
             raise NonFiniteWeightsError(f"trainer: {int(total)} non-finite parameter value(s) after the optimizer "
                                         f"step at version {self.version} (on this rank: {names or 'none'}); "
                                         "the weights are corrupt and are not pushed")
 
-    def _all_reduce(self, sums: dict[str, torch.Tensor], mx: torch.Tensor | None = None) -> dict[str, float]:
+    def _all_reduce(self, sums: dict[str, torch.Tensor], mx: torch.Tensor | None = None,
+                    per_shard: bool = False) -> dict[str, float]:
         """SUM-reduce `sums`; MAX-reduce `mx` into "mm_mismatch_max" when given. Every rank must make
         the same calls (same keys, same `mx is None`)."""
         keys = sorted(sums)
@@ -505,7 +507,7 @@ class TrainCore:
             if mx is not None:
                 mx = mx.to(self.device)
                 dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        if self.tp > 1:  # the tp ranks of an fsdp index computed the same rows: count them once
+        if self.tp > 1 and not per_shard:  # the tp ranks of an fsdp index computed the same rows: count them once
             vec = vec / self.tp
         out = dict(zip(keys, vec.cpu().tolist()))
         if mx is not None:
