@@ -321,5 +321,6 @@ def test_streaming_reward_model_scores_each_rollout_as_its_whole_token_sequence(
         whole = scorer.score([list(r.prompt_tokens) + list(r.completion_tokens)])[0]
         assert r.reward == pytest.approx(2.0 * whole, abs=1e-4)  # reward_model.weight * score
         assert ENV_VERSION in r.versions  # an observation was part of the scored stream
-    assert stats["prefill_tokens"] > stats["finish_tokens"] > 0 and stats["lost"] == 0 and stats["held"] == 0
+    # chunks were prefilled before EOS (how many depends on the load: queued chunks join their finish)
+    assert stats["prefill_tokens"] > 0 and stats["lost"] == 0 and stats["held"] == 0
     assert e.snapshot()["reward_latency_s"]
