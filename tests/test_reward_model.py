@@ -45,6 +45,17 @@ def seqs(n: int, lo: int = 5, hi: int = 90, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(4, 60) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def other_tokenizer_copy(scorer_dir, dst):
+    """A copy of the scorer whose tokenizer has one token more than the policy's."""
+    dst.mkdir()
+    for f in scorer_dir.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tj = json.loads((dst / "tokenizer.json").read_text())
+    tj["model"]["vocab"]["zz"] = len(tj["model"]["vocab"])
+    (dst / "tokenizer.json").write_text(json.dumps(tj))
+    return dst
+
+
 # ---------------------------------------------------------------- the scorer
 
 
@@ -133,13 +144,7 @@ def test_sequences_the_scorer_cannot_score_raise_naming_why(scorer, tokens, why)
 def test_a_checkpoint_without_a_scalar_head_or_with_another_tokenizer_is_refused(tiny_dir, scorer_dir, tmp_path):
     with pytest.raises(ScorerError, match="num_labels=1"):
         StreamingScorer(tiny_dir)  # a causal LM: no scalar head
-    other = tmp_path / "other"
-    other.mkdir()
-    for f in scorer_dir.iterdir():
-        (other / f.name).write_bytes(f.read_bytes())
-    tj = json.loads((other / "tokenizer.json").read_text())
-    tj["model"]["vocab"]["zz"] = len(tj["model"]["vocab"])
-    (other / "tokenizer.json").write_text(json.dumps(tj))
+    other = other_tokenizer_copy(scorer_dir, tmp_path / "other")
     assert check_tokenizer(tiny_dir, scorer_dir) is None
     assert "tokenizer differs" in check_tokenizer(tiny_dir, other)
 
@@ -159,13 +164,7 @@ def test_config_checks_reward_model_keys(scorer_dir, tmp_path):
 
 
 def test_cli_refuses_a_reward_model_with_another_tokenizer_with_exit_2(scorer_dir, tmp_path):
-    other = tmp_path / "rm"
-    other.mkdir()
-    for f in scorer_dir.iterdir():
-        (other / f.name).write_bytes(f.read_bytes())
-    tj = json.loads((other / "tokenizer.json").read_text())
-    tj["model"]["vocab"]["zz"] = len(tj["model"]["vocab"])
-    (other / "tokenizer.json").write_text(json.dumps(tj))
+    other = other_tokenizer_copy(scorer_dir, tmp_path / "rm")
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
                         f"reward_model.path={other}", f"run.out_dir={tmp_path / 'out'}"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)

@@ -60,19 +60,23 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
     try:
         await asyncio.wait_for(run(), timeout_s)
     except BaseException as e:
-        # The engine may hold a mix of versions; make it stop claiming the old one too.
-        await _mark_invalid(engine, version)
-        if isinstance(e, asyncio.TimeoutError):
-            raise SyncTimeoutError(f"version {version}: loading into vLLM (segment {segment}) did not finish "
-                                   f"within {timeout_s:.1f}s; engine state unknown, do not serve") from None
-        if isinstance(e, Exception) and not isinstance(e, WeightSyncError):
-            raise WeightLoadError(f"version {version}: vLLM failed to load segment {segment}: "
-                                  f"{type(e).__name__}: {e}") from e
-        raise
+        await _load_failed(engine, version, e, f"loading into vLLM (segment {segment})", timeout_s)
     served = await engine.get_weight_version()
     if served != str(version):
         raise WeightLoadError(f"version {version}: engine reports weight version {served!r} after loading")
     receiver.loaded_version = version
+
+
+async def _load_failed(engine, version: int, e: BaseException, what: str, timeout_s: float) -> None:
+    """Raise the error of a failed load, after making the engine stop claiming any version: it may hold
+    a mix of old and new weights."""
+    await _mark_invalid(engine, version)
+    if isinstance(e, asyncio.TimeoutError):
+        raise SyncTimeoutError(f"version {version}: {what} did not finish within {timeout_s:.1f}s; engine "
+                               "state unknown, do not serve") from None
+    if isinstance(e, Exception) and not isinstance(e, WeightSyncError):
+        raise WeightLoadError(f"version {version}: {what} failed: {type(e).__name__}: {e}") from e
+    raise e
 
 
 async def _mark_invalid(engine, version: int) -> None:
@@ -126,15 +130,8 @@ async def load_lora_into_vllm(engine, receiver: WeightReceiver, version: int, ti
     try:
         req = await asyncio.wait_for(run(), timeout_s)
     except BaseException as e:
-        await _mark_invalid(engine, version)
         remove_dir(path)
-        if isinstance(e, asyncio.TimeoutError):
-            raise SyncTimeoutError(f"version {version}: adding the LoRA adapter did not finish within "
-                                   f"{timeout_s:.1f}s; do not serve") from None
-        if isinstance(e, Exception) and not isinstance(e, WeightSyncError):
-            raise WeightLoadError(f"version {version}: vLLM failed to add the LoRA adapter: "
-                                  f"{type(e).__name__}: {e}") from e
-        raise
+        await _load_failed(engine, version, e, f"adding the LoRA adapter in {path}", timeout_s)
     if previous is not None:  # its directory stays: a request still naming it reloads it from there
         await asyncio.wait_for(engine.remove_lora(previous.lora_int_id), timeout_s)
     receiver.loaded_version = version
