@@ -108,7 +108,7 @@ def evaluate(hf_dir: Path, data) -> dict:
     return {"mse": mse, "corr": corr, "reward_mean": statistics.fmean(rewards), "n": len(data)}
 
 
-def train(task_name: str, out: Path, config: str | None = None, steps: int = 1500, batch: int = 64,
+def train(task_name: str, out: Path, config: str | None = None, steps: int = 2000, batch: int = 64,
           lr: float = 1e-3, examples: int = 8000, seed: int = 0, log_every: int = 100) -> dict:
     import transformers
 
@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--task", default="pipeline.tasks.reverse")
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="configs/tiny.yaml", help="whose model (and its tokenizer) the scorer starts from")
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--examples", type=int, default=8000)
