@@ -49,9 +49,6 @@ class _Stream:
 class RewardModelClient:
     def __init__(self, handle: Any, chunk_tokens: int, timeout_s: float, prefix: str):
         self.handle, self.chunk, self.timeout_s, self.prefix = handle, chunk_tokens, timeout_s, prefix
-        self._ready = asyncio.Event()
-        if handle is not None:
-            self._ready.set()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._inflight: set[asyncio.Future] = set()
@@ -63,7 +60,6 @@ class RewardModelClient:
         self.handle = handle
         for key in list(self._streams):
             self._streams[key] = self._new()
-        self._ready.set()
 
     def _new(self) -> _Stream:
         return _Stream(f"{self.prefix}{next(self._ids)}")
@@ -71,7 +67,7 @@ class RewardModelClient:
     def feed(self, key: str, context: Sequence[int], new: Sequence[int] = ()) -> None:
         """Stream the sequence context + new: send what was not sent yet once at least
         chunk_tokens of it wait (and the actor is reachable). Never blocks."""
-        if self.chunk <= 0 or not self._ready.is_set():
+        if self.chunk <= 0 or self.handle is None:  # no reward model attached yet
             return
         st = self._streams.get(key)
         if st is None:

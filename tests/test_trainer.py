@@ -46,6 +46,19 @@ def hf_weights(loop, trainer: Trainer, out) -> dict[str, torch.Tensor]:
     return load_file(str(out / "model.safetensors"))
 
 
+def assert_same_step(w0: dict, w1: dict, w2: dict, atol: float, loose_frac: float) -> None:
+    """w2 (sharded) equals w1 (one rank) after the same step from w0: every element within atol, all
+    but loose_frac of them within 1e-7, and the step moved the weights (so the comparison means something)."""
+    moved, loose, total = 0.0, 0, 0
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=atol, msg=k)
+        loose += int(((w2[k] - w1[k]).abs() > 1e-7).sum())
+        total += w1[k].numel()
+        moved = max(moved, float((w1[k] - w0[k]).abs().max()))
+    assert loose <= loose_frac * total, f"{loose} of {total} weights differ by more than 1e-7"
+    assert moved > 1e-4
+
+
 def test_two_rank_fsdp_matches_one_rank(loop, trainers, batch, tmp_path):
     one, two = trainers
     w0 = hf_weights(loop, one, tmp_path / "init")
@@ -59,14 +72,7 @@ def test_two_rank_fsdp_matches_one_rank(loop, trainers, batch, tmp_path):
     assert w1.keys() == w2.keys()
     # Shard sums differ from the full sum in the last fp32 bit; AdamW's first step g/(|g|+eps)
     # amplifies that only where |g| ~ eps, so: every element within 1% of lr, nearly all within 1e-7.
-    moved, loose, total = 0.0, 0, 0
-    for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
-        loose += int(((w2[k] - w1[k]).abs() > 1e-7).sum())
-        total += w1[k].numel()
-        moved = max(moved, float((w1[k] - w0[k]).abs().max()))
-    assert loose <= 1e-4 * total, f"{loose} of {total} weights differ by more than 1e-7"
-    assert moved > 1e-4  # the step changed the weights, so the comparison means something
+    assert_same_step(w0, w1, w2, atol=1e-5, loose_frac=1e-4)
 
 
 def test_fsdp_by_tensor_parallel_mesh_matches_one_rank_and_export_full_weights(loop, trainers, batch, tmp_path):
@@ -89,14 +95,7 @@ def test_fsdp_by_tensor_parallel_mesh_matches_one_rank_and_export_full_weights(l
     # As with FSDP: the shards' sums differ from the full ones in the last fp32 bits, and AdamW's first
     # step, g / (|g| + eps), amplifies that only where |g| ~ eps: every element within 5% of lr, and
     # nearly all within 1e-7.
-    moved, loose, total = 0.0, 0, 0
-    for k in w1:
-        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=5e-5, msg=k)
-        loose += int(((w2[k] - w1[k]).abs() > 1e-7).sum())
-        total += w1[k].numel()
-        moved = max(moved, float((w1[k] - w0[k]).abs().max()))
-    assert loose <= 1e-3 * total, f"{loose} of {total} weights differ by more than 1e-7"
-    assert moved > 1e-4
+    assert_same_step(w0, w1, w2, atol=5e-5, loose_frac=1e-3)
 
 
 def test_bad_batch_refused_across_the_actor_boundary(loop, trainers, batch):
