@@ -26,6 +26,7 @@ nor be inspected in /proc.
 
 from __future__ import annotations
 
+import contextlib
 import asyncio
 import logging
 import os
@@ -276,6 +277,17 @@ def held_by(pids: Iterable[int]) -> set[str]:
 def unlink_orphaned(names: Iterable[str]) -> list[str]:
     """Unlink each of `names` that no live process maps or holds open any more (after the kill)."""
     return _unlink_unused(set(names))
+
+
+def untrack(names: Iterable[str]) -> None:
+    """Tell this process's multiprocessing resource tracker that segments it was tracking for a
+    child killed hard (and unlinked since) are gone, so it does not warn of them as leaked at exit."""
+    from multiprocessing import resource_tracker
+
+    for name in names:
+        sem = name.startswith("sem.")
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister("/" + (name[4:] if sem else name), "semaphore" if sem else "shared_memory")
 
 
 LORA_PREFIX = "mrl-lora-"  # a generator's LoRA adapter directories (RolloutEngine._start_lora): mrl-lora-<pid>-*

@@ -36,6 +36,12 @@ def me() -> Proc:
     return pid, _stat(pid)[1]
 
 
+def start_time(pid: int) -> int | None:
+    """The start time of a live (not zombie) pid, which with the pid names the process; None if gone."""
+    st = _stat(pid)
+    return st[1] if st is not None and st[2] != "Z" else None
+
+
 def alive(proc: Proc) -> bool:
     st = _stat(proc[0])
     return st is not None and st[1] == proc[1] and st[2] != "Z"

@@ -196,13 +196,35 @@ class RolloutEngine:
         if self.rm is not None:
             await self.rm.close()
         if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+            await asyncio.to_thread(self._stop_engine)
         if self.lora_dir is not None:
             import shutil
 
             shutil.rmtree(self.lora_dir, ignore_errors=True)
             self.lora_dir = None
+
+    def _stop_engine(self) -> None:
+        """Stop the engine at once. Its core and worker hold nothing to flush, so they are killed
+        outright instead of vLLM's graceful stop (SIGTERM, then up to 5 s for the core and more for
+        its worker: most of a run's shutdown); the shared-memory queues they held are unlinked once
+        nobody maps them, as vLLM's own exit would."""
+        from pipeline import cleanup, procs
+
+        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
+        cores = [p.pid for p in getattr(getattr(resources, "engine_manager", None), "processes", [])
+                 if getattr(p, "pid", None)]
+        if resources is not None:  # vLLM's liveness monitor then takes the kill for a shutdown, not a crash
+            resources.engine_dead = True
+        tree = [(pid, st) for pid in cores if (st := procs.start_time(pid)) is not None]
+        tree += [d for pid, _ in tree for d in procs.descendants(pid)]
+        held = cleanup.held_by(pid for pid, _ in tree)
+        procs.kill(tree)
+        deadline = time.monotonic() + 5.0  # a killed process holds its mappings until it exits
+        while any(procs.alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        engine, self.engine = self.engine, None
+        engine.shutdown()
+        cleanup.untrack(cleanup.unlink_orphaned(held))
 
     def check(self) -> None:
         """Raise if the generator is broken (called by every endpoint)."""
