@@ -337,6 +337,13 @@ class TrainerConfig:
     """KL estimator: k1 | k3."""
     micro_batch_size: int = 0
     """Samples per forward/backward (0: the whole batch at once)."""
+    grad_variance: bool = False
+    """Estimate the variance of each batch's gradient from its micro-batches (a diagnostic for
+    comparing corrections): the first optimizer step of a batch reports grad/var, the trace of the
+    covariance of the summed gradient, K/(K-1)·(Σ_k ||g_k||² − ||G||²/K) over its K micro-batch
+    gradients g_k (the micro-batches of all data-parallel ranks at one index form a chunk), and
+    grad/var_rel = grad/var / ||G||². Costs a copy of the gradients per micro-batch; needs
+    trainer.micro_batch_size > 0 and at least 2 micro-batches per rank."""
     cpu_threads: int = 0
     """torch intra-op threads per rank (0: the size of its trainer.cpus share, or unpinned, the cores
     it may use // ranks on its host, at least 1)."""
@@ -387,6 +394,8 @@ class TrainerConfig:
                f">= trainer.entropy_coef ({self.entropy_coef})")
         _choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
         _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
+        _check(not self.grad_variance or self.micro_batch_size > 0, "trainer.micro_batch_size",
+               self.micro_batch_size, "> 0 with trainer.grad_variance (its micro-batches are the chunks)")
         _check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, ">= 0")
         _cores("trainer.cpus", self.cpus)
         _check(not _ids("trainer.devices", self.devices, "GPU") or self.device == "cuda", "trainer.devices",

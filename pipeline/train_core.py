@@ -42,6 +42,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -95,6 +96,31 @@ def minibatch_plan(n: int, minibatches: int, world: int, rank: int,
         chunks = torch.tensor_split(rows, k) if len(rows) else [rows] * k
         plan.append((mb, [(c, 1.0) if len(c) else (torch.zeros(1, dtype=torch.long), 0.0) for c in chunks]))
     return plan
+
+
+
+class _GradChunks:
+    """trainer.grad_variance: the squared norm of each micro-batch's share of the accumulated
+    gradient (the accumulated gradient after it minus before it), then the variance of their sum."""
+
+    def __init__(self) -> None:
+        self.prev: dict[str, torch.Tensor] = {}
+        self.sq: list[float] = []
+
+    def add(self, core: "TrainCore") -> None:
+        grads = [(n, p.grad) for n, p in core.model.named_parameters() if p.grad is not None]
+        with torch.no_grad():
+            diffs = [(n, g - self.prev[n] if n in self.prev else g.clone()) for n, g in grads]
+            self.sq.append(core._sq_norm(diffs))
+            self.prev = {n: g.detach().clone() for n, g in grads}
+
+    def variance(self, core: "TrainCore") -> dict[str, float]:
+        k = len(self.sq)
+        if k < 2:  # one chunk has no spread to measure (a batch smaller than two micro-batches)
+            return {"grad_var_chunks": float(k)}
+        total = core._sq_norm((n, g.clone()) for n, g in self.prev.items())
+        var = k / (k - 1) * max(sum(self.sq) - total / k, 0.0)
+        return {"grad_var": var, "grad_var_rel": var / max(total, 1e-30), "grad_var_chunks": float(k)}
 
 
 @dataclass
@@ -291,7 +317,8 @@ class TrainCore:
                 "clip_frac": frac("clip_tokens"), "dual_clip_frac": frac("dual_clip_tokens"),
                 "is_clip_frac": frac("is_clip_tokens"), "kl_ref": frac("kl_sum"),
                 "entropy": entropy, "entropy_coef": coef,
-                "staleness_mean": float(batch.staleness().float().mean()), **mm, **mis}
+                "staleness_mean": float(batch.staleness().float().mean()), **mm, **mis,
+                **{f"grad/{k[5:]}": v for k, v in steps[0].items() if k.startswith("grad_var")}}
 
     def _balance_mixture(self, batch: Batch, plan, prox: "_Proximal") -> dict[str, float]:
         """mis_balance: prox.log_mix[i] = log Σ_j α_j q_j(y_i) over the behaviour versions j of the
@@ -385,6 +412,7 @@ class TrainCore:
         step's globally reduced sums plus grad_norm and lr. `first`: the batch's first step, whose
         forward is still π_old and is recorded as such."""
         sums: dict[str, torch.Tensor] = {}
+        chunks = _GradChunks() if first and self.tcfg.grad_variance else None
         for rows, keep in micro:
             ids = batch.input_ids[rows].to(self.device)
             mask = batch.loss_mask[rows, 1:].float().to(self.device) * keep
@@ -399,9 +427,13 @@ class TrainCore:
                                              entropy_coef=self.entropy_coef,
                                              log_mix=None if prox.log_mix is None else prox.log_mix[rows])
             (loss * self.dp_world).backward()
+            if chunks is not None:
+                chunks.add(self)
             for k, v in {"loss": loss.detach().double(), **stats}.items():
                 sums[k] = sums.get(k, 0) + v.detach().cpu().double()
         red = self._all_reduce(sums)
+        if chunks is not None:
+            red.update(chunks.variance(self))
         if not math.isfinite(red["loss"]):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(f"trainer: loss is {red['loss']} at version {self.version}; "
@@ -459,25 +491,29 @@ class TrainCore:
         """Gradient clip under tensor parallelism: first sum the grads of parameters that are plain
         (or only fsdp-sharded) but computed from this rank's heads alone (the q/k norms) over the tp
         axis; then the global norm, each DTensor's from its own shards, each other tensor once."""
-        from torch.distributed.tensor import DTensor
-
         params = [p for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            g = p.grad
-            on_tp = isinstance(g, DTensor) and g.device_mesh.mesh_dim_names and "tp" in g.device_mesh.mesh_dim_names
-            if not on_tp and (".q_norm." in name or ".k_norm." in name):
-                dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self.tp_group)
-            n = torch.linalg.vector_norm(g)
-            sq += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
-        norm = math.sqrt(float(sq))
+        norm = math.sqrt(self._sq_norm((n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None))
         if math.isfinite(norm) and norm > self.tcfg.grad_clip:
             with torch.no_grad():
                 for p in params:
                     p.grad.mul_(self.tcfg.grad_clip / (norm + 1e-6))
         return norm
+
+    def _sq_norm(self, named: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Σ ||g||² of named gradient-shaped tensors as the global tensors they stand for: each
+        DTensor from its own shards, each other tensor once. Under tensor parallelism the grads of
+        parameters that are plain (or only fsdp-sharded) but computed from this rank's heads alone
+        (the q/k norms) are first summed over the tp axis, in place."""
+        from torch.distributed.tensor import DTensor
+
+        sq = 0.0
+        for name, g in named:
+            on_tp = isinstance(g, DTensor) and g.device_mesh.mesh_dim_names and "tp" in g.device_mesh.mesh_dim_names
+            if self.tp > 1 and not on_tp and (".q_norm." in name or ".k_norm." in name):
+                dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self.tp_group)
+            n = torch.linalg.vector_norm(g.detach())
+            sq += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+        return sq
 
     def _check_weights(self) -> None:
         """Raise NonFiniteWeightsError on every rank if any rank's parameters hold NaN/inf, so such

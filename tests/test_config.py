@@ -47,6 +47,7 @@ def test_mis_balance_is_accepted_with_consistent_rollouts():
         ("buffer.slope_tstat=-1", "buffer.slope_tstat"),
         ("buffer.slope_threshold=0.1", "buffer.slope_threshold"),  # replaced by slope_tstat
         ("trainer.correction=mis_balance", "generator.on_update=drain"),  # tiny.yaml: keep, mixed versions
+        ("trainer.grad_variance=true", "trainer.micro_batch_size"),  # whole-batch micro-batches: one chunk
     ],
 )
 def test_bad_config_names_the_key(override, must_name):

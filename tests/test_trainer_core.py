@@ -400,3 +400,34 @@ def test_mis_balance_without_a_snapshot_falls_back_to_seq_is(cfg):
                               minibatch_plan(6, 1, 1, 0, c.trainer.micro_batch_size), prox)
     mu = (b.behaviour_logprobs[:, 1:] * b.loss_mask[:, 1:]).sum(1)
     assert m["mis_balance/fallback"] == 1 and prox.log_mix.tolist() == pytest.approx(mu.tolist(), abs=1e-5)
+
+
+def test_grad_variance_is_the_spread_of_the_micro_batch_gradients(cfg):
+    """trainer.grad_variance against a direct computation: each micro-batch's gradient of its share of
+    the loss (global denominators) by autograd, then K/(K-1)·(Σ||g_k||² − ||Σ g_k||²/K); a batch of
+    identical rows has identical chunks, so no variance."""
+    tc = TrainerConfig(lr=1e-3, micro_batch_size=2, grad_variance=True, kl_coef=0.0, correction="seq_is")
+    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    b = make_batch(core.model, n=8, mu_noise=0.3)
+    params = [p for p in core.model.parameters()]
+    mask = b.loss_mask[:, 1:].float()
+    den = (float(mask.sum()), float((mask.sum(1) > 0).sum()))
+    chunks = []
+    for rows in torch.arange(8).split(2):
+        logp = token_logprobs(core.model, b.input_ids[rows])
+        loss, _ = policy_loss(logp, logp.detach(), b.behaviour_logprobs[rows, 1:], mask[rows],
+                              b.advantages[rows], tc, denominators=den)
+        chunks.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]).double())
+    total = torch.stack(chunks).sum(0)
+    want = 4 / 3 * (sum(float(g @ g) for g in chunks) - float(total @ total) / 4)
+    m = core.train_step(b)
+    assert m["grad/var_chunks"] == 4
+    assert m["grad/var"] == pytest.approx(want, rel=1e-4) and want > 0
+    assert m["grad/var_rel"] == pytest.approx(want / float(total @ total), rel=1e-4)
+
+    same_rows = make_batch(core.model, n=8)
+    one = lambda t: t[:1].expand(8, *t.shape[1:]).clone()  # noqa: E731
+    same_rows = Batch(one(same_rows.input_ids), one(same_rows.loss_mask), one(same_rows.behaviour_logprobs),
+                      one(same_rows.versions), torch.ones(8), torch.ones(8), tuple(range(8)), core.version)
+    m = core.train_step(same_rows)
+    assert m["grad/var_rel"] < 1e-6, m

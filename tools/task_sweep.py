@@ -40,28 +40,37 @@ def short(task: str) -> str:
     return task.rsplit(".", 1)[-1]
 
 
+def run_cli(run_dir: Path, overrides: list[str], config: str, timeout: float, reuse: bool, label: str) -> dict:
+    """One whole CLI run (`python -m pipeline.run --config <config> <overrides>`) into run_dir, its
+    output in run_dir/run.log; with `reuse`, a finished run there with the same overrides is read
+    instead. Returns its exit code, wall seconds and metrics rows."""
+    cfg = load_config(config, overrides)  # a bad override or task fails here, before any run
+    done = run_dir / "sweep_run.json"
+    prev = json.loads(done.read_text()) if reuse and done.exists() else {}
+    if prev and prev["overrides"] != overrides:
+        print(f"[{label}] not reusing {run_dir}: it ran with other overrides", flush=True)
+    if prev and prev["overrides"] == overrides:
+        code, wall = prev["exit_code"], prev["wall_s"]
+        print(f"[{label}] reusing the finished run in {run_dir}", flush=True)
+    else:
+        print(f"[{label}] {cfg.run.steps} steps ({run_dir / 'run.log'})", flush=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(run_dir / "run.log", "w") as f:
+            code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", config, *overrides],
+                                  cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        wall = time.monotonic() - t0
+        done.write_text(json.dumps({"exit_code": code, "wall_s": wall, "overrides": overrides}))
+    rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    return {"exit_code": code, "wall_s": wall, "rows": rows}
+
+
 def run_task(task: str, args, out: Path) -> dict:
     run_dir = out / short(task)
     overrides = [f"task.name={task}", f"run.out_dir={run_dir}", "run.progress=false", "run.checkpoint_every=0",
                  *([f"run.steps={args.steps}"] if args.steps else []), *args.overrides]
-    cfg = load_config(args.config, overrides)  # a bad override or task fails here, before any run
-    done = run_dir / "sweep_run.json"
-    prev = json.loads(done.read_text()) if args.reuse and done.exists() else {}
-    if prev and prev["overrides"] != overrides:
-        print(f"[task_sweep] {task}: not reusing {run_dir}: it ran with other overrides", flush=True)
-    if prev and prev["overrides"] == overrides:
-        code, wall = prev["exit_code"], prev["wall_s"]
-        print(f"[task_sweep] {task}: reusing the finished run in {run_dir}", flush=True)
-    else:
-        print(f"[task_sweep] {task}: {cfg.run.steps} steps ({run_dir / 'run.log'})", flush=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        with open(run_dir / "run.log", "w") as f:
-            code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", args.config, *overrides],
-                                  cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-        wall = time.monotonic() - t0
-        done.write_text(json.dumps({"exit_code": code, "wall_s": wall, "overrides": overrides}))
-    rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    run = run_cli(run_dir, overrides, args.config, args.timeout, args.reuse, f"task_sweep {short(task)}")
+    code, wall, rows = run["exit_code"], run["wall_s"], run["rows"]
     evals = [r for r in rows if "eval/reward" in r]
     steps = [r for r in rows if "entropy" in r]
     res = {"task": task, "exit_code": code, "wall_s": wall, "steps": len(steps), "rows": rows}
