@@ -256,7 +256,13 @@ def test_cli_run_on_a_finite_jsonl_task_ends_cleanly_at_its_end_of_data(tmp_path
     trains every one of the 24 prompt-epochs (a group dropped as stale has its prompt admitted again,
     buffer.retry_stale), 12 batches, then ends as a normal end (exit 0, summary.json, HF export, summary.png) with data/epoch reported;
     its 3-prompt eval file is shorter than task.eval_prompts and is used whole, at step 0 and after the
-    last step."""
+    last step.
+
+    The same run is what a person watching it sees, at the default run.log_level: no INFO line from
+    any process (vLLM logs several at every weight update), no rotary reload warning, our own
+    warnings still shown (a collapse warning provoked at step 1), the progress bar; rollouts.jsonl
+    holds run.log_rollouts samples per step whose logged reward is the task's reward of the logged
+    prompt and completion, and whose versions fit the staleness bound."""
     data, ev = tmp_path / "rev12.jsonl", tmp_path / "rev_eval.jsonl"
     words = ["abc", "bad", "cab", "dab", "fed", "gag", "hag", "ace", "bed", "cafe", "face", "head"]
     data.write_text("".join(json.dumps({"id": i, "prompt": f"rev {w}=", "answer": w[::-1]}) + "\n"
@@ -265,12 +271,18 @@ def test_cli_run_on_a_finite_jsonl_task_ends_cleanly_at_its_end_of_data(tmp_path
                           for w in ("dead", "bee", "hec")))
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=50",
-                        "run.epochs=2", "run.eval_every=100", "run.progress=false", "run.warm_start_steps=0",
+                        "run.epochs=2", "run.eval_every=100", "run.warm_start_steps=0",
                         "buffer.batch_groups=2", "buffer.group_size=2", "generator.concurrency=4",
                         "generator.max_new_tokens=6", "task.name=pipeline.tasks.jsonl", f"task.path={data}",
-                        f"task.eval_path={ev}", "task.eval_prompts=8", f"run.out_dir={out}"],
+                        f"task.eval_path={ev}", "task.eval_prompts=8", "run.collapse_length=1000",
+                        "run.collapse_patience=1", f"run.out_dir={out}"],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
+    console = p.stdout + p.stderr
+    assert not re.search(r"\bINFO\b", console), [line for line in console.splitlines() if "INFO" in line][:10]
+    assert "RotaryEmbedding" not in console and "Loading safetensors checkpoint shards" not in console
+    assert "WARNING pipeline.controller" in p.stderr and "step 1: the policy looks collapsed" in p.stderr
+    assert "rl[async]" in p.stderr  # the progress bar
     assert "end of data: 2 epochs of prompts drawn (run.epochs=2)" in p.stdout, p.stdout[-2000:]
     assert "the eval split has 3 prompts, fewer than task.eval_prompts=8" in p.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -290,3 +302,13 @@ def test_cli_run_on_a_finite_jsonl_task_ends_cleanly_at_its_end_of_data(tmp_path
     assert buf["held_samples"] == 0
     assert [s for s, *_ in summary["eval_curve"]] == [0, n]  # the final model was evaluated too
     assert (out / "summary.png").stat().st_size > 0 and (out / "hf_checkpoint" / "model.safetensors").is_file()
+
+    task = open_task(TaskConfig(name="pipeline.tasks.jsonl", path=str(data), eval_path=str(ev)), evaluate=False)
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [s for s in range(1, n + 1) for _ in range(2)]  # run.log_rollouts=2
+    for r in rows:
+        assert r["reward"] == pytest.approx(task.reward(r["prompt"], r["completion"]), abs=1e-6), r
+        assert r["trainer_version"] == r["step"] - 1 and r["prompt"].startswith("rev ")
+        assert 1 <= len(r["versions"]) <= 6 and max(r["versions"]) <= r["trainer_version"], r
+        assert r["staleness"] == r["trainer_version"] - min(r["versions"]) and 0 <= r["staleness"] <= 1, r
+    assert all(a["group_id"] != b["group_id"] for a, b in zip(rows[::2], rows[1::2]))  # two groups a step

@@ -1,5 +1,6 @@
 """What a person watching a run sees: a quiet console (run.log_level), the trained samples in
-out_dir/rollouts.jsonl and TensorBoard (run.log_rollouts), and W&B offline (run.wandb).
+out_dir/rollouts.jsonl and TensorBoard (run.log_rollouts), and W&B offline (run.wandb). A real CLI
+run's console and rollouts.jsonl are checked in tests/test_finite_tasks.py (one run serves both).
 
     .venv/bin/python -m pytest -q tests/test_run_output.py
 """
@@ -10,7 +11,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -22,8 +22,6 @@ from pipeline.metrics import MetricsSink, read_jsonl, trained_samples
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer
 from pipeline.tasks import reverse
 from pipeline.types import PromptItem, Rollout
-
-from .conftest import REPO
 
 
 def _batch(tok, version: int = 2):
@@ -144,32 +142,3 @@ def test_the_benign_rotary_reload_warning_is_dropped_at_warning_and_nothing_else
     finally:
         logger.removeHandler(handler)
         logs.quiet_benign(logging.INFO)
-
-
-def test_default_cli_run_has_a_quiet_console_and_logs_the_trained_samples(tmp_path):
-    """One real run at the default run.log_level: no INFO line from any process (vLLM logs several at
-    every weight update), no rotary reload warning, our own warnings still shown (a collapse warning
-    provoked at step 1). rollouts.jsonl holds run.log_rollouts samples per step whose logged reward is
-    the task's reward of the logged prompt and completion, and whose versions fit the staleness bound."""
-    out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=3",
-                        "run.eval_every=0", "run.warm_start_steps=0", "buffer.batch_groups=2", "buffer.group_size=2",
-                        "generator.concurrency=4", "generator.max_new_tokens=6", "run.collapse_length=1000",
-                        "run.collapse_patience=1", f"run.out_dir={out}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    console = p.stdout + p.stderr
-    assert p.returncode == 0, console[-5000:]
-    assert "== done: 3 steps" in p.stdout
-    assert not re.search(r"\bINFO\b", console), [line for line in console.splitlines() if "INFO" in line][:10]
-    assert "RotaryEmbedding" not in console and "Loading safetensors checkpoint shards" not in console
-    assert "WARNING pipeline.controller" in p.stderr and "step 1: the policy looks collapsed" in p.stderr
-    assert "rl[async]" in p.stderr  # the progress bar
-
-    rows = read_jsonl(out / "rollouts.jsonl")
-    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]  # run.log_rollouts=2 by default
-    for r in rows:
-        assert r["reward"] == pytest.approx(reverse.reward(r["prompt"], r["completion"]), abs=1e-6), r
-        assert r["trainer_version"] == r["step"] - 1 and r["prompt"].startswith("rev ")
-        assert 1 <= len(r["versions"]) <= 6 and max(r["versions"]) <= r["trainer_version"], r
-        assert r["staleness"] == r["trainer_version"] - min(r["versions"]) and 0 <= r["staleness"] <= 1, r
-    assert all(a["group_id"] != b["group_id"] for a, b in zip(rows[::2], rows[1::2]))  # two groups a step
