@@ -47,7 +47,7 @@ from pipeline.weightsync.load import pause_keep
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutEngine", "GeneratorBroken", "engine_args"]
+__all__ = ["RolloutEngine", "GeneratorBroken", "engine_args", "stop_engine"]
 
 ENGINE_WATCH_S = 0.5  # how often a pending engine control call checks that the engine core lives
 
@@ -72,6 +72,44 @@ def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
         kw.update(enable_lora=True, max_lora_rank=cfg.trainer.lora.rank, max_loras=2, max_cpu_loras=2)
     kw.update(extra or {})
     return AsyncEngineArgs(**kw)
+
+
+def stop_engine(engine) -> None:
+    """Stop a vLLM AsyncLLM at once (call it off the engine's event loop, or with that loop idle). Its
+    output handler is cancelled first; its core and worker hold nothing to flush, so they are killed
+    outright instead of vLLM's graceful stop (SIGTERM, then up to 5 s for the core and more for its
+    worker: most of a run's shutdown); the shared-memory queues they held are unlinked once nobody
+    maps them, as vLLM's own exit would, and this process's resource tracker forgets them."""
+    from pipeline import cleanup, procs
+
+    handler = getattr(engine, "output_handler", None)  # would log the killed core as a failure
+    if handler is not None and not handler.done():
+        loop = handler.get_loop()
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or not loop.is_running():  # the cancellation runs once the loop does
+            handler.cancel()
+        else:  # called off the loop (asyncio.to_thread): the loop runs the cancellation now
+            loop.call_soon_threadsafe(handler.cancel)
+            deadline = time.monotonic() + 2.0
+            while not handler.done() and time.monotonic() < deadline:
+                time.sleep(0.005)
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    cores = [p.pid for p in getattr(getattr(resources, "engine_manager", None), "processes", [])
+             if getattr(p, "pid", None)]
+    if resources is not None:  # vLLM's liveness monitor then takes the kill for a shutdown, not a crash
+        resources.engine_dead = True
+    tree = [(pid, st) for pid in cores if (st := procs.start_time(pid)) is not None]
+    tree += [d for pid, _ in tree for d in procs.descendants(pid)]
+    held = cleanup.held_by(pid for pid, _ in tree)
+    procs.kill(tree)
+    deadline = time.monotonic() + 5.0  # a killed process holds its mappings until it exits
+    while any(procs.alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    engine.shutdown()
+    cleanup.untrack(cleanup.unlink_orphaned(held))
 
 
 class RolloutEngine:
@@ -196,35 +234,13 @@ class RolloutEngine:
         if self.rm is not None:
             await self.rm.close()
         if self.engine is not None:
-            await asyncio.to_thread(self._stop_engine)
+            engine, self.engine = self.engine, None
+            await asyncio.to_thread(stop_engine, engine)
         if self.lora_dir is not None:
             import shutil
 
             shutil.rmtree(self.lora_dir, ignore_errors=True)
             self.lora_dir = None
-
-    def _stop_engine(self) -> None:
-        """Stop the engine at once. Its core and worker hold nothing to flush, so they are killed
-        outright instead of vLLM's graceful stop (SIGTERM, then up to 5 s for the core and more for
-        its worker: most of a run's shutdown); the shared-memory queues they held are unlinked once
-        nobody maps them, as vLLM's own exit would."""
-        from pipeline import cleanup, procs
-
-        resources = getattr(getattr(self.engine, "engine_core", None), "resources", None)
-        cores = [p.pid for p in getattr(getattr(resources, "engine_manager", None), "processes", [])
-                 if getattr(p, "pid", None)]
-        if resources is not None:  # vLLM's liveness monitor then takes the kill for a shutdown, not a crash
-            resources.engine_dead = True
-        tree = [(pid, st) for pid in cores if (st := procs.start_time(pid)) is not None]
-        tree += [d for pid, _ in tree for d in procs.descendants(pid)]
-        held = cleanup.held_by(pid for pid, _ in tree)
-        procs.kill(tree)
-        deadline = time.monotonic() + 5.0  # a killed process holds its mappings until it exits
-        while any(procs.alive(p) for p in tree) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        engine, self.engine = self.engine, None
-        engine.shutdown()
-        cleanup.untrack(cleanup.unlink_orphaned(held))
 
     def check(self) -> None:
         """Raise if the generator is broken (called by every endpoint)."""

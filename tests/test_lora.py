@@ -107,7 +107,7 @@ def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from pipeline.config import WeightSyncConfig
-    from pipeline.rollout_engine import engine_args
+    from pipeline.rollout_engine import engine_args, stop_engine
     from pipeline.weightsync import WeightReceiver, WeightSender, load_lora_into_vllm, vllm_engine_kwargs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -145,7 +145,7 @@ def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir
         finally:
             receiver.close()
             sender.close()
-            llm.shutdown()
+            stop_engine(llm)
         return res
 
     try:

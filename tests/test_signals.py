@@ -53,13 +53,13 @@ class Watched:
     def pids(self) -> set[int]:
         return {self.proc.pid} | {p for p, _ in self.tree}
 
-    def wait_for_training(self, out: Path, timeout_s: float = 420) -> None:
-        """Until the first optimizer step is logged (mid-run), looking at the tree every second."""
+    def wait_for_training(self, out: Path, timeout_s: float = 420, steps: int = 1) -> None:
+        """Until `steps` optimizer steps are logged (mid-run), looking at the tree every second."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.look()
             mj = out / "metrics.jsonl"
-            if mj.exists() and '"version/trainer"' in mj.read_text():
+            if mj.exists() and mj.read_text().count('"version/trainer"') >= steps:
                 self.look()
                 return
             assert self.proc.poll() is None, f"exited early ({self.proc.returncode}):\n{self.text()[-4000:]}"
@@ -181,16 +181,28 @@ def test_ctrl_c_to_the_process_group_shuts_down_like_sigint(tmp_path):
         run.kill()
 
 
-def test_sigterm_to_the_torchrun_launcher_leaves_nothing(tmp_path):
-    """torchrun forwards SIGTERM to each rank's process group; rank 0 shuts the job down within
-    torchrun's 30 s grace and rank 1 exits: no process of the run (Monarch worker, procs, engine
-    core) and no segment is left."""
+def test_torchrun_job_with_two_generators_trains_and_its_launchers_sigterm_leaves_nothing(tmp_path):
+    """`torchrun --standalone --nproc-per-node 2` (rank 0 drives one Monarch job, rank 1 joins) with
+    two generators updated one at a time trains: versions advance, `version/generator` (the oldest
+    any generator serves) follows, no sample is staler than allowed. Then torchrun forwards SIGTERM
+    to each rank's process group; rank 0 shuts the job down within torchrun's 30 s grace and rank 1
+    exits: no process of the run (Monarch worker, procs, engine cores) and no segment is left. (A
+    torchrun job that runs to its end: tests/test_multinode.py.)"""
     out = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
     run = Watched([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "pipeline.run",
-                   "--config", "configs/tiny.yaml", *SHORT, f"run.out_dir={out}"], tmp_path / "run.log")
+                   "--config", "configs/tiny.yaml", *SHORT, "generator.num_generators=2", "generator.rolling=true",
+                   "buffer.max_staleness=1", f"run.out_dir={out}"], tmp_path / "run.log")
     try:
-        run.wait_for_training(out)
+        run.wait_for_training(out, steps=3)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if "version/trainer" in r]
+        assert [r["version/trainer"] for r in rows] == list(range(1, len(rows) + 1))
+        gen = [r["version/generator"] for r in rows]
+        assert gen == sorted(gen) and gen[-1] >= len(rows) - 2, gen
+        assert max(r["staleness/max"] for r in rows) <= 1
+        cores = [p for p in run.pids() if "EngineCore" in _cmdline(p)]
+        assert len(cores) == 2, [_cmdline(p) for p in run.pids()]  # one vLLM engine per generator
         socks = _listeners(run.pids() - {run.proc.pid})  # the ranks' trees; torchrun's own store aside
         public = [s + (_cmdline(s[3]),) for s in socks if not _loopback(s[1])]
         assert not public, f"listening beyond loopback: {public}"

@@ -152,7 +152,9 @@ class BenchReceiver(Actor):
     @endpoint
     async def stop_engine(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            from pipeline.rollout_engine import stop_engine
+
+            stop_engine(self.engine)
             self.engine = None
 
     @endpoint
