@@ -98,7 +98,6 @@ def minibatch_plan(n: int, minibatches: int, world: int, rank: int,
     return plan
 
 
-
 class _GradChunks:
     """trainer.grad_variance: the squared norm of each micro-batch's share of the accumulated
     gradient (the accumulated gradient after it minus before it), then the variance of their sum."""
