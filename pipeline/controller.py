@@ -430,10 +430,11 @@ class Pipeline:
         log.warning("generator%d back in %.1fs at version %d (%d groups requeued)", i, event["recovery_s"],
                     version, requeued)
 
-    async def _stop_generator(self, i: int, gen: Any) -> None:
-        """Best effort, bounded: shut the engine down, stop the proc mesh, then SIGKILL whatever of its
-        recorded processes survived (an engine core outlives a parent killed with SIGKILL), and unlink
-        the shared-memory segments those processes held that nobody uses any more."""
+    async def _stop_generator(self, i: int, gen: Any, closed: bool = False) -> None:
+        """Best effort, bounded: shut the engine down (unless `closed`: done already), stop the proc
+        mesh, then SIGKILL whatever of its recorded processes survived (an engine core outlives a
+        parent killed with SIGKILL), and unlink the shared-memory segments those processes held that
+        nobody uses any more."""
         from pipeline import cleanup
         from pipeline.procs import descendants
 
@@ -442,8 +443,8 @@ class Pipeline:
         if self._local(i):  # the engine's message queues: unlinked by vLLM on a clean exit, not after a kill
             tree += [d for root, _ in self._gen_pids[i] for d in descendants(root) if d not in tree]
             held = cleanup.held_by(p for p, _ in tree) | self._gen_segs[i]
-        clean = False
-        if gen is not None:
+        clean = closed
+        if gen is not None and not closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(gen.shutdown.call_one(), 15)
                 clean = True
@@ -464,8 +465,9 @@ class Pipeline:
             log.log(logging.INFO if clean else logging.WARNING, "generator%d: killed leftover processes %s", i, killed)
 
     async def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """close -> cancel -> stop, within timeout_s overall: cancel the push in flight, then stop every
-        generator (engine, proc, leftover engine processes) and every other proc mesh concurrently.
+        """close -> cancel -> stop, within timeout_s overall: cancel the push in flight, then close
+        every generator (its generation and engine) concurrently, then stop their procs (and leftover
+        engine processes) and every other proc mesh concurrently.
         Never raises: a failed or late step is logged, so the error that caused the shutdown is the
         one that propagates (what a timeout leaves running, pipeline.run kills at exit)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -474,7 +476,12 @@ class Pipeline:
             await _settle({"weight sync": self.sync.wait()}, deadline)
         procs, self._procs = self._procs, []
         rm, self.reward_model = self.reward_model, None
-        await _settle({**{f"generator{i} stop": self._stop_generator(i, g) for i, g in enumerate(self.generators)},
+        # the generators stop generating first: one still sending to a buffer whose mesh is stopping
+        # would break on it (and say so) at the end of a run that went well
+        closing = {i: asyncio.wait_for(g.shutdown.call_one(), 15) for i, g in enumerate(self.generators) if g is not None}
+        closed = await _settle({f"generator{i} shutdown": c for i, c in closing.items()}, deadline)
+        await _settle({**{f"generator{i} stop": self._stop_generator(i, g, closed.get(f"generator{i} shutdown", False))
+                          for i, g in enumerate(self.generators)},
                        "reward model stop": self._stop_reward_model(rm),
                        **{f"proc mesh {k} stop": p.stop() for k, p in enumerate(procs)}}, deadline)
 
@@ -874,12 +881,13 @@ async def run(cfg: Config, host: Any = None) -> dict:
                      f"{cfg.task.name} ({cfg.run.mode})")
 
 
-async def _settle(steps: dict[str, Any], deadline: float) -> None:
+async def _settle(steps: dict[str, Any], deadline: float) -> dict[str, bool]:
     """Run shutdown steps (name -> awaitable) concurrently until all end or `deadline` (loop time);
-    log each failure and cancel what is late. Raises only the caller's own cancellation."""
+    log each failure and cancel what is late. Returns which steps succeeded. Raises only the
+    caller's own cancellation."""
     tasks = {asyncio.ensure_future(aw): what for what, aw in steps.items()}
     if not tasks:
-        return
+        return {}
     try:
         done, late = await asyncio.wait(tasks, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
     except asyncio.CancelledError:
@@ -892,6 +900,7 @@ async def _settle(steps: dict[str, Any], deadline: float) -> None:
     for t in done:
         if not t.cancelled() and t.exception() is not None:
             log.warning("shutdown: %s failed: %s: %s", tasks[t], type(t.exception()).__name__, t.exception())
+    return {what: t in done and not t.cancelled() and t.exception() is None for t, what in tasks.items()}
 
 
 def _quietly(what: str, fn, *args) -> None:

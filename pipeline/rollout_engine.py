@@ -83,7 +83,7 @@ def stop_engine(engine) -> None:
     from pipeline import cleanup, procs
 
     handler = getattr(engine, "output_handler", None)  # would log the killed core as a failure
-    if handler is not None and not handler.done():
+    if handler is not None and not handler.done() and not handler.get_loop().is_closed():
         loop = handler.get_loop()
         try:
             on_loop = asyncio.get_running_loop() is loop
@@ -97,8 +97,9 @@ def stop_engine(engine) -> None:
             while not handler.done() and time.monotonic() < deadline:
                 time.sleep(0.005)
     resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    # live children of this process only: a core that died was reaped by vLLM, and its pid may be reused
     cores = [p.pid for p in getattr(getattr(resources, "engine_manager", None), "processes", [])
-             if getattr(p, "pid", None)]
+             if getattr(p, "pid", None) and p.exitcode is None and procs.parent(p.pid) == os.getpid()]
     if resources is not None:  # vLLM's liveness monitor then takes the kill for a shutdown, not a crash
         resources.engine_dead = True
     tree = [(pid, st) for pid in cores if (st := procs.start_time(pid)) is not None]

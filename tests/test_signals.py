@@ -346,12 +346,13 @@ def test_shutdown_steps_run_concurrently_within_one_deadline_and_never_raise(cap
     async def go() -> float:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        await _settle({"a": step("a", 0.5), "b": step("b", 0.5), "bad": step("bad", 0.1, fail=True),
-                       "hung": step("hung", 3600)}, t0 + 1.5)
-        return loop.time() - t0
+        ok = await _settle({"a": step("a", 0.5), "b": step("b", 0.5), "bad": step("bad", 0.1, fail=True),
+                            "hung": step("hung", 3600)}, t0 + 1.5)
+        return loop.time() - t0, ok
 
-    took = asyncio.run(go())
+    took, ok = asyncio.run(go())
     assert 1.4 < took < 2.5 and sorted(ended) == ["a", "b"]  # a and b together, hung cut at the deadline
+    assert ok == {"a": True, "b": True, "bad": False, "hung": False}
     assert "bad failed: RuntimeError: bad broke" in caplog.text and "hung still running" in caplog.text
 
     async def cancelled() -> None:

@@ -137,8 +137,9 @@ def main() -> int:
             try:
                 event = wait_for(lambda: rows(faults_path)[before:], 600, f"recovery from kill {k + 1}", proc)[0]
             except RuntimeError as e:  # the run ended first: with several generators, training goes on
-                print(f"[chaos]   {e}: the run finished its steps before this generator was back "
-                      "(--steps too few for --kills); no later kill", flush=True)
+                why = ("the run finished its steps before this generator was back (--steps too few for "
+                       "--kills)" if proc.returncode == 0 else "the run failed")
+                print(f"[chaos]   {e}: {why}; no later kill", flush=True)
                 break
             kills.append({"kind": kind, "pid": victim, "killed_at_run_s": killed_at - t_first,
                           "generator": event["generator"], "detection_s": event["detected_at"] - killed_at,

@@ -115,7 +115,7 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true", help="read, not rerun, each finished run in --out")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the runs start in the repository
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for c in args.corrections.split(","):

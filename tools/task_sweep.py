@@ -43,7 +43,10 @@ def short(task: str) -> str:
 def run_cli(run_dir: Path, overrides: list[str], config: str, timeout: float, reuse: bool, label: str) -> dict:
     """One whole CLI run (`python -m pipeline.run --config <config> <overrides>`) into run_dir, its
     output in run_dir/run.log; with `reuse`, a finished run there with the same overrides is read
-    instead. Returns its exit code, wall seconds and metrics rows."""
+    instead. Returns its exit code, wall seconds and metrics rows. The run starts in the repository,
+    so `config` and `run_dir` are taken as absolute paths (relative ones from where this runs, or
+    a config from the repository)."""
+    config = str(Path(config).resolve() if Path(config).exists() else REPO / config)
     cfg = load_config(config, overrides)  # a bad override or task fails here, before any run
     done = run_dir / "sweep_run.json"
     prev = json.loads(done.read_text()) if reuse and done.exists() else {}
@@ -156,7 +159,7 @@ def main() -> int:
                     "(delete a task's directory to rerun it); the table and plots cover every task")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the runs start in the repository
     out.mkdir(parents=True, exist_ok=True)
     tasks = (args.tasks or BUILTIN) + args.extra_tasks
     results = []
