@@ -26,8 +26,8 @@ nor be inspected in /proc.
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 import logging
 import os
 import signal

@@ -478,9 +478,9 @@ class Pipeline:
         rm, self.reward_model = self.reward_model, None
         # the generators stop generating first: one still sending to a buffer whose mesh is stopping
         # would break on it (and say so) at the end of a run that went well
-        closing = {i: asyncio.wait_for(g.shutdown.call_one(), 15) for i, g in enumerate(self.generators) if g is not None}
-        closed = await _settle({f"generator{i} shutdown": c for i, c in closing.items()}, deadline)
-        await _settle({**{f"generator{i} stop": self._stop_generator(i, g, closed.get(f"generator{i} shutdown", False))
+        closed = await _settle({i: asyncio.wait_for(g.shutdown.call_one(), 15)
+                                for i, g in enumerate(self.generators) if g is not None}, deadline, "generator{} shutdown")
+        await _settle({**{f"generator{i} stop": self._stop_generator(i, g, closed.get(i, False))
                           for i, g in enumerate(self.generators)},
                        "reward model stop": self._stop_reward_model(rm),
                        **{f"proc mesh {k} stop": p.stop() for k, p in enumerate(procs)}}, deadline)
@@ -881,11 +881,11 @@ async def run(cfg: Config, host: Any = None) -> dict:
                      f"{cfg.task.name} ({cfg.run.mode})")
 
 
-async def _settle(steps: dict[str, Any], deadline: float) -> dict[str, bool]:
-    """Run shutdown steps (name -> awaitable) concurrently until all end or `deadline` (loop time);
-    log each failure and cancel what is late. Returns which steps succeeded. Raises only the
-    caller's own cancellation."""
-    tasks = {asyncio.ensure_future(aw): what for what, aw in steps.items()}
+async def _settle(steps: dict[Any, Any], deadline: float, name: str = "{}") -> dict[Any, bool]:
+    """Run shutdown steps (key -> awaitable) concurrently until all end or `deadline` (loop time);
+    log each failure (the step named name.format(key)) and cancel what is late. Returns which steps
+    succeeded, by key. Raises only the caller's own cancellation."""
+    tasks = {asyncio.ensure_future(aw): key for key, aw in steps.items()}
     if not tasks:
         return {}
     try:
@@ -896,11 +896,12 @@ async def _settle(steps: dict[str, Any], deadline: float) -> dict[str, bool]:
         raise
     for t in late:
         t.cancel()
-        log.error("shutdown: %s still running at the shutdown's deadline; cancelled", tasks[t])
+        log.error("shutdown: %s still running at the shutdown's deadline; cancelled", name.format(tasks[t]))
     for t in done:
         if not t.cancelled() and t.exception() is not None:
-            log.warning("shutdown: %s failed: %s: %s", tasks[t], type(t.exception()).__name__, t.exception())
-    return {what: t in done and not t.cancelled() and t.exception() is None for t, what in tasks.items()}
+            log.warning("shutdown: %s failed: %s: %s", name.format(tasks[t]), type(t.exception()).__name__,
+                        t.exception())
+    return {key: t in done and not t.cancelled() and t.exception() is None for t, key in tasks.items()}
 
 
 def _quietly(what: str, fn, *args) -> None:
