@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import TrainerConfig
-from pipeline.losses import finalize_mismatch, is_weights, mismatch_sums, policy_loss
+from pipeline.losses import finalize_mismatch, is_weights, kl_penalty, mismatch_sums, policy_loss
 
 MODES = ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is")
 
@@ -66,9 +66,9 @@ def reference(logp, old, mu, mask, adv, cfg: TrainerConfig, ref=None):
             per_tok[i][j] = -w * surrogate
             if ref is not None and cfg.kl_coef > 0:
                 d = ref[i][j] - logp[i][j]
-                if cfg.kl_estimator == "k1":
+                if cfg.kl_estimator == "k1":  # value x, gradient x·∇logp (score function)
                     per_tok[i][j] += cfg.kl_coef * (logp[i][j] - ref[i][j])
-                    grad[i][j] += cfg.kl_coef
+                    grad[i][j] += cfg.kl_coef * (logp[i][j] - ref[i][j])
                 else:
                     per_tok[i][j] += cfg.kl_coef * (math.exp(d) - d - 1)
                     grad[i][j] += cfg.kl_coef * (1 - math.exp(d))
@@ -147,6 +147,54 @@ def test_kl_penalty_matches_reference(mode, estimator):
     cfg = TrainerConfig(correction=mode, kl_coef=0.1, kl_estimator=estimator)
     check(cfg, *random_inputs(7))
 
+
+
+def exact_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) = Σ_y p(y)(log p(y) − log q(y)) per row of log-probabilities [N, V], summed over rows."""
+    return (logp.exp() * (logp - ref)).sum()
+
+
+def expected_kl_gradient(estimator: str, seed: int, n: int = 3, v: int = 7):
+    """(E_{y~π_θ}[∇_θ kl_penalty], ∇KL(π_θ ‖ π_ref), ∇KL(π_ref ‖ π_θ), E[value], KL(π_θ ‖ π_ref)) on n softmaxes
+    over v tokens, in float64: every token y is enumerated and weighted by π_θ(y) (detached), so the
+    expectation over the sampled token is exact, not a Monte-Carlo estimate."""
+    gen = torch.Generator().manual_seed(seed)
+    theta = (1.5 * torch.randn(n, v, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    ref = torch.log_softmax(1.5 * torch.randn(n, v, generator=gen, dtype=torch.float64), dim=-1)
+    logp = torch.log_softmax(theta, dim=-1)
+    weights = logp.exp().detach()
+    value = (weights * kl_penalty(logp, ref, estimator)).sum()
+    (g_est,) = torch.autograd.grad(value, theta, retain_graph=True)
+    (g_fwd,) = torch.autograd.grad(exact_kl(logp, ref), theta, retain_graph=True)
+    (g_rev,) = torch.autograd.grad(exact_kl(ref, logp), theta)
+    return g_est, g_fwd, g_rev, value.item(), exact_kl(logp, ref).item()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_k1_expected_gradient_is_the_gradient_of_kl_policy_to_ref(seed):
+    """k1 as a loss descends KL(π_θ ‖ π_ref), the divergence its docstring names (not zero, as ∇(logp − ref) is)."""
+    g_est, g_fwd, g_rev, value, kl = expected_kl_gradient("k1", seed)
+    torch.testing.assert_close(g_est, g_fwd, rtol=1e-10, atol=1e-12)
+    assert value == pytest.approx(kl, rel=1e-12)
+    assert g_fwd.abs().max() > 1e-2 and (g_fwd - g_rev).abs().max() > 1e-2  # the check can tell them apart
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_k3_expected_gradient_is_the_gradient_of_kl_ref_to_policy(seed):
+    """k3's value is unbiased for KL(π_θ ‖ π_ref), but its gradient descends the reverse KL(π_ref ‖ π_θ)."""
+    g_est, g_fwd, g_rev, value, kl = expected_kl_gradient("k3", seed)
+    torch.testing.assert_close(g_est, g_rev, rtol=1e-10, atol=1e-12)
+    assert value == pytest.approx(kl, rel=1e-12)
+    assert (g_est - g_fwd).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_penalty_is_zero_with_zero_gradient_at_the_reference(estimator):
+    ref = torch.log_softmax(torch.randn(2, 5, dtype=torch.float64), dim=-1)
+    logp = ref.clone().requires_grad_(True)
+    kl = kl_penalty(logp, ref, estimator)
+    kl.sum().backward()
+    assert torch.count_nonzero(kl) == 0 and torch.count_nonzero(logp.grad) == 0
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ratio_exactly_at_clip_bound(mode):
