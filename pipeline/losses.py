@@ -50,10 +50,10 @@ y ~ π_θ, the prefix held fixed (how the prefix moves with θ is the policy gra
 since ∇KL(π_θ ‖ π_ref) = Σ_y π_θ ∇log π_θ · (x + 1) = E[x · ∇log π_θ] (Σ_y ∇π_θ = 0), and
 E[(1 − π_ref/π_θ) ∇log π_θ] = −Σ_y π_ref ∇log π_θ = ∇KL(π_ref ‖ π_θ). k1's own derivative, ∇x = ∇log π_θ,
 has mean zero, so k1 carries x as a detached weight on ∇log π_θ (a score-function term) instead: as a
-plain loss it would regularise nothing. k3 descends the reverse (mass-covering) KL: it pulls π_θ up where
-π_ref has mass rather than down where π_ref has none, with lower variance (its weight is 0 at x = 0). The
-tokens come from the sampler μ and the KL term takes no importance weight, so off-policy the
-expectations are over μ, not π_θ.
+plain loss it would regularise nothing. k3 descends the reverse (mass-covering) KL instead: it raises π_θ
+wherever π_ref has mass, where k1 lowers π_θ wherever it exceeds π_ref; its weight 1 − e^(−x) never
+exceeds 1, k1's x is unbounded. The tokens come from the sampler μ and the KL term takes no importance
+weight, so off-policy the expectations are over μ, not π_θ.
 
 Aggregation: token_mean divides Σ ℓ·mask by the token count; seq_mean averages each sequence's
 token mean over sequences. The denominators are arguments so a data-parallel trainer can pass
