@@ -100,8 +100,8 @@ def test_chat_template_two_turns_with_and_without_thinking(tok):
 
 
 def test_chat_template_renders_tools_calls_and_responses(tok):
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": params}}
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "",
