@@ -17,7 +17,7 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
     s   = min(r·A, clip(r, 1−ε, 1+ε)·A)       clipped surrogate
     s'  = max(s, c·A) if A < 0 and c > 0      dual clip (c = dual_clip): bounds the objective of a
           else s                              negative-advantage token whose r ran far above 1
-    ℓ   = −w · s'                             per token, plus kl_coef · KL(π_θ ‖ π_ref)
+    ℓ   = −w · s'                             per token, plus kl_coef · k (k: kl_penalty, below)
                                               minus entropy_coef · H(π_θ(· | prefix))
 
     none        w = 1
@@ -39,6 +39,21 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
 
 Per-token log-ratios are clamped to ±20 before exp (a wild sampler logprob gives a huge but finite
 weight); seq_is clamps only the sum, since clamping each token first would change the product.
+
+KL penalty (`kl_penalty`), per loss token y with x = log π_θ(y) − log π_ref(y). Both estimators'
+values average to KL(π_θ ‖ π_ref) over y ~ π_θ (the logged `kl_ref`); their gradients differ. For
+y ~ π_θ, the prefix held fixed (how the prefix moves with θ is the policy gradient's business):
+
+    k1   value x                 gradient x · ∇log π_θ(y)             E = ∇KL(π_θ ‖ π_ref)
+    k3   value e^(−x) − 1 + x    gradient (1 − e^(−x)) · ∇log π_θ(y)  E = ∇KL(π_ref ‖ π_θ)
+
+since ∇KL(π_θ ‖ π_ref) = Σ_y π_θ ∇log π_θ · (x + 1) = E[x · ∇log π_θ] (Σ_y ∇π_θ = 0), and
+E[(1 − π_ref/π_θ) ∇log π_θ] = −Σ_y π_ref ∇log π_θ = ∇KL(π_ref ‖ π_θ). k1's own derivative, ∇x = ∇log π_θ,
+has mean zero, so k1 carries x as a detached weight on ∇log π_θ (a score-function term) instead: as a
+plain loss it would regularise nothing. k3 descends the reverse (mass-covering) KL instead: it raises π_θ
+wherever π_ref has mass, where k1 lowers π_θ wherever it exceeds π_ref; its weight 1 − e^(−x) never
+exceeds 1, k1's x is unbounded. The tokens come from the sampler μ and the KL term takes no importance
+weight, so off-policy the expectations are over μ, not π_θ.
 
 Aggregation: token_mean divides Σ ℓ·mask by the token count; seq_mean averages each sequence's
 token mean over sequences. The denominators are arguments so a data-parallel trainer can pass
@@ -100,11 +115,16 @@ def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
 
 
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(π_θ ‖ π_ref) from samples: k1 = logp − ref; k3 = e^(ref−logp) − (ref−logp) − 1."""
+    """Per-token KL penalty for sampled tokens, x = logp − ref. Its value estimates KL(π_θ ‖ π_ref) for
+    either estimator; its gradient through `logp` is, in expectation over tokens from π_θ,
+    k1: ∇KL(π_θ ‖ π_ref) (value x, gradient x·∇logp, a score-function term);
+    k3: ∇KL(π_ref ‖ π_θ) (value e^(−x) − 1 + x, gradient (1 − e^(−x))·∇logp). See the module docstring."""
+    x = logp - ref
     if estimator == "k1":
-        return logp - ref
+        # logp − sg(logp) is 0 in value and ∇logp in gradient: the value stays x, the gradient is x·∇logp.
+        return x.detach() * (1 + logp - logp.detach())
     if estimator == "k3":
-        d = (ref - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        d = (-x).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         return torch.exp(d) - d - 1
     raise ValueError(f"losses: unknown trainer.kl_estimator={estimator!r}")
 

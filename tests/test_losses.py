@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import TrainerConfig
-from pipeline.losses import finalize_mismatch, is_weights, mismatch_sums, policy_loss
+from pipeline.losses import finalize_mismatch, is_weights, kl_penalty, mismatch_sums, policy_loss
 
 MODES = ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is")
 
@@ -66,9 +66,9 @@ def reference(logp, old, mu, mask, adv, cfg: TrainerConfig, ref=None):
             per_tok[i][j] = -w * surrogate
             if ref is not None and cfg.kl_coef > 0:
                 d = ref[i][j] - logp[i][j]
-                if cfg.kl_estimator == "k1":
+                if cfg.kl_estimator == "k1":  # value x, gradient x·∇logp (score function)
                     per_tok[i][j] += cfg.kl_coef * (logp[i][j] - ref[i][j])
-                    grad[i][j] += cfg.kl_coef
+                    grad[i][j] += cfg.kl_coef * (logp[i][j] - ref[i][j])
                 else:
                     per_tok[i][j] += cfg.kl_coef * (math.exp(d) - d - 1)
                     grad[i][j] += cfg.kl_coef * (1 - math.exp(d))
@@ -147,6 +147,41 @@ def test_kl_penalty_matches_reference(mode, estimator):
     cfg = TrainerConfig(correction=mode, kl_coef=0.1, kl_estimator=estimator)
     check(cfg, *random_inputs(7))
 
+
+
+def kl_gradients(estimator: str, seed: int, n: int = 3, v: int = 7) -> dict[str, torch.Tensor]:
+    """On n softmaxes over v tokens, in float64: E_{y~π_θ}[∇_θ kl_penalty] exactly (every token enumerated and
+    weighted by π_θ(y), detached: no Monte-Carlo), E[value], and the exact KLs both ways with their gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    theta = (1.5 * torch.randn(n, v, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    ref = torch.log_softmax(1.5 * torch.randn(n, v, generator=gen, dtype=torch.float64), dim=-1)
+    logp = torch.log_softmax(theta, dim=-1)
+    kl = {"KL(π_θ ‖ π_ref)": (logp.exp() * (logp - ref)).sum(), "KL(π_ref ‖ π_θ)": (ref.exp() * (ref - logp)).sum()}
+    expected = (logp.exp().detach() * kl_penalty(logp, ref, estimator)).sum()
+    out = {name: torch.autograd.grad(value, theta, retain_graph=True)[0] for name, value in kl.items()}
+    return {**out, "estimate": torch.autograd.grad(expected, theta)[0], "value": expected.detach(),
+            "kl": kl["KL(π_θ ‖ π_ref)"].detach()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("estimator, named, other", [("k1", "KL(π_θ ‖ π_ref)", "KL(π_ref ‖ π_θ)"),
+                                                      ("k3", "KL(π_ref ‖ π_θ)", "KL(π_θ ‖ π_ref)")])
+def test_kl_estimator_expected_gradient_is_the_kl_its_docstring_names(estimator, named, other, seed):
+    """k1's expected gradient is ∇KL(π_θ ‖ π_ref) (not zero, as ∇(logp − ref) alone is); k3's is the reverse
+    ∇KL(π_ref ‖ π_θ); both values are unbiased for KL(π_θ ‖ π_ref)."""
+    assert f"{estimator}: ∇{named}" in kl_penalty.__doc__
+    g = kl_gradients(estimator, seed)
+    torch.testing.assert_close(g["estimate"], g[named], rtol=1e-10, atol=1e-12)
+    assert (g["estimate"] - g[other]).abs().max() > 1e-2  # the two directions are told apart
+    assert g["value"].item() == pytest.approx(g["kl"].item(), rel=1e-12)
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_penalty_is_zero_with_zero_gradient_at_the_reference(estimator):
+    ref = torch.log_softmax(torch.randn(2, 5, dtype=torch.float64), dim=-1)
+    logp = ref.clone().requires_grad_(True)
+    kl = kl_penalty(logp, ref, estimator)
+    kl.sum().backward()
+    assert torch.count_nonzero(kl) == 0 and torch.count_nonzero(logp.grad) == 0
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ratio_exactly_at_clip_bound(mode):

@@ -1,0 +1,156 @@
+"""A Qwen3 checkpoint with real shapes and random weights: Qwen3-0.6B's config.json, bf16 safetensors
+under HF names, and Qwen3's real tokenizer (pipeline/qwen3.py), so every loader (HF transformers, vLLM,
+this project's torchtitan trainer) takes the path a downloaded Qwen3-0.6B takes.
+
+    conf = qwen3_config()                                   # Qwen3-0.6B exactly
+    conf = qwen3_config(layers=2, hidden=64, ffn=128, heads=2, kv_heads=1)   # shrunk for tests
+    hf_dir = build_checkpoint("/tmp/q3", conf, seed=0)      # writes the folder, returns it
+    hf_dir = ensure_checkpoint(conf, seed=0)                # the same, built once under .cache/qwen3
+
+A shrunk config keeps what makes the checkpoint Qwen3 rather than a toy: the 151,936-row vocabulary
+and its tokenizer, head_dim 128, q/k norms, tied embeddings, RoPE θ = 1e6, bf16. Weights are drawn
+N(0, 0.02) (the config's initializer_range) and every RMSNorm weight is 1, as an untrained Qwen3 is
+initialised; the logits of such a model are near uniform over the vocabulary. Like the real
+Qwen3-0.6B file, model.safetensors stores `lm_head.weight` too, equal to `model.embed_tokens.weight`
+(tied models must load with or without it; this project's own saves leave it out).
+
+    python tools/make_qwen3.py --out DIR [--layers N --hidden H --ffn F --heads Q --kv-heads KV]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pipeline.qwen3 import CACHE_DIR, ENDOFTEXT_ID, IM_END_ID, copy_tokenizer, tokenizer_dir
+
+VOCAB_SIZE = 151_936
+"""Rows of the embedding: the tokenizer's 151,669 ids padded for the kernels, as Qwen3 ships it."""
+HEAD_DIM = 128
+
+QWEN3_0_6B: dict = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": ENDOFTEXT_ID,
+    "eos_token_id": IM_END_ID,
+    "head_dim": HEAD_DIM,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": VOCAB_SIZE,
+}
+"""Qwen3-0.6B's config.json, field for field."""
+
+_FORMAT = 1  # bump when the files written here change
+
+
+def qwen3_config(layers: int | None = None, hidden: int | None = None, ffn: int | None = None,
+                 heads: int | None = None, kv_heads: int | None = None) -> dict:
+    """Qwen3-0.6B's config with the given sizes replaced (None keeps 0.6B's). head_dim stays 128,
+    so the attention width is heads·128 whatever `hidden` is, as in Qwen3 itself."""
+    conf = dict(QWEN3_0_6B)
+    for key, value in (("num_hidden_layers", layers), ("hidden_size", hidden), ("intermediate_size", ffn),
+                       ("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"qwen3_config: {key}={value} must be >= 1")
+            conf[key] = value
+    if conf["num_attention_heads"] % conf["num_key_value_heads"]:
+        raise ValueError(f"qwen3_config: num_attention_heads={conf['num_attention_heads']} is not a multiple "
+                         f"of num_key_value_heads={conf['num_key_value_heads']}")
+    conf["max_window_layers"] = conf["num_hidden_layers"]
+    return conf
+
+
+def tensor_shapes(conf: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint under its HF name, in file order, with its shape."""
+    d, f, hd = conf["hidden_size"], conf["intermediate_size"], conf["head_dim"]
+    q, kv = conf["num_attention_heads"] * hd, conf["num_key_value_heads"] * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (conf["vocab_size"], d)}
+    for i in range(conf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f),
+        })
+    shapes["model.norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (conf["vocab_size"], d)
+    return shapes
+
+
+def random_weights(conf: dict, seed: int) -> dict[str, torch.Tensor]:
+    """bf16 weights: norms 1, the rest N(0, initializer_range) drawn in float32 from `seed`; lm_head is a
+    copy of the embedding when the config ties them (a copy: safetensors refuses shared storage)."""
+    gen = torch.Generator().manual_seed(seed)
+    std = conf["initializer_range"]
+    sd: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(conf).items():
+        if name == "lm_head.weight" and conf["tie_word_embeddings"]:
+            sd[name] = sd["model.embed_tokens.weight"].clone()
+        elif name.endswith("norm.weight"):
+            sd[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            sd[name] = torch.empty(shape).normal_(0.0, std, generator=gen).to(torch.bfloat16)
+    return sd
+
+
+def build_checkpoint(out: str | Path, conf: dict, seed: int = 0, cache_dir: str | Path = CACHE_DIR) -> Path:
+    """Write a loadable Qwen3 folder at `out` (config.json, model.safetensors, tokenizer files)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tokenizer(out, cache_dir)
+    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    save_file(random_weights(conf, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def checkpoint_dir(conf: dict, seed: int, cache_dir: str | Path = CACHE_DIR) -> Path:
+    """The cache folder of one (config, seed), under the tokenizer it is built with."""
+    key = json.dumps({"conf": conf, "seed": seed, "format": _FORMAT, "tok": tokenizer_dir(cache_dir).name},
+                     sort_keys=True)
+    return Path(cache_dir) / f"checkpoint-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def ensure_checkpoint(conf: dict, seed: int = 0, cache_dir: str | Path = CACHE_DIR) -> Path:
+    """`build_checkpoint` once per (config, seed) under `cache_dir`, published atomically; returns it."""
+    out = checkpoint_dir(conf, seed, cache_dir)
+    if (out / "model.safetensors").is_file():
+        return out
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        build_checkpoint(tmp, conf, seed, cache_dir)
+        tmp.rename(out)
+    except OSError:
+        if not (out / "model.safetensors").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent builder won the race, or the build failed
+    return out
