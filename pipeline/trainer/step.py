@@ -20,9 +20,9 @@ single-rank gradient. Every rank runs the same number of micro-batches per minib
 the global minibatch size (an empty one runs a zero-weighted row), so FSDP collectives always pair up.
 
 Contract: every public method is a collective: every rank calls it with the same arguments (the full
-Batch; each rank takes its shard), in the same order, and gets the same metrics. A step refused or
-skipped (pipeline/trainer/errors.py) raises on every rank alike, leaves the version where it was and
-no gradient behind.
+Batch; each rank takes its shard), in the same order, and gets the same metrics. A refused or skipped
+step (pipeline/trainer/errors.py) raises on every rank alike and leaves the version where it was and
+no gradient behind (a batch's earlier minibatch steps stay applied, see `train_step`).
 
 Example:
     core = TrainCore(cfg, rank, world)       # torch.distributed already initialised when world > 1
@@ -46,7 +46,7 @@ from pipeline.trainer.checks import check_batch, check_sft
 from pipeline.trainer.errors import (BadBatchError, EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError,
                                      TooManySkippedSteps)
 from pipeline.trainer.parallel import Parallel, local
-from pipeline.trainer.snapshots import GradChunks, Plan, Proximal, Snapshots
+from pipeline.trainer.snapshots import GradChunks, Plan, Proximal, Score, Snapshots
 from pipeline.trainer.state import TrainerState
 from pipeline.types import Batch
 
@@ -105,8 +105,8 @@ class TrainCore:
         self.entropy_coef = self.tcfg.entropy_coef  # adapted after each step when trainer.entropy_target > 0
         self.consecutive_skips = 0  # not checkpointed: a resumed run starts a new streak
 
-    def _scorer(self, model: torch.nn.Module):
-        """CPU token ids -> `model`'s log-probs at the sampling temperature, on this rank's device."""
+    def _scorer(self, model: torch.nn.Module) -> Score:
+        """Token ids (any device) -> `model`'s log-probs at the sampling temperature."""
         return lambda ids: logprobs(model, ids.to(self.device), self.temperature)[0]
 
     # ------------------------------------------------------------------ steps
@@ -144,10 +144,10 @@ class TrainCore:
             raise BadBatchError(f"trainer: batch has {batch.num_samples} samples, fewer than "
                                 f"trainer.minibatches={t.minibatches}")
         mask_all = batch.loss_mask[:, 1:].float()
-        plan = minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank,
-                              t.micro_batch_size)
+        plan = minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank, t.micro_batch_size)
         self.model.train()
-        prox = Proximal(mask_all.shape, self.device, t, None if self.ref_model is None else self._scorer(self.ref_model))
+        score_ref = None if self.ref_model is None else self._scorer(self.ref_model)
+        prox = Proximal(mask_all.shape, self.device, t, score_ref)
         mis = self.snapshots.balance_mixture(self.version, batch, plan, prox) if t.correction == "mis_balance" else {}
         # π_old of minibatches 1.. with the pre-step weights, before any update. Minibatch 0's is
         # its own first forward (the weights are still pre-step then), which saves that forward and
