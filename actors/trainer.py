@@ -35,7 +35,7 @@ from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
 from pipeline import logs
 from pipeline.config import Config, ConfigError, WeightSyncConfig
 from pipeline.placement import apply, describe, trainer_placement
-from pipeline.train_core import TrainCore
+from pipeline.trainer.step import TrainCore
 from pipeline.types import Batch, WeightVersion
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class TrainerActor(Actor):
     @endpoint
     async def set_reference(self) -> bool:
         """The current weights become the KL reference (False: trainer.kl_coef = 0, no reference)."""
-        return self._c().set_reference()
+        return self._c().state.set_reference()
 
     @endpoint
     async def save(self, path: str, data_state: dict | None = None) -> str:
@@ -119,7 +119,7 @@ class TrainerActor(Actor):
     async def export_hf(self, path: str, merged: bool = False) -> int:
         """Write a vLLM-loadable HF directory (with LoRA: base + adapter/, or `merged`); returns the
         version of the weights written."""
-        self._c().export_hf(path, merged)
+        self._c().state.export_hf(path, merged)
         return self._c().version
 
     @endpoint
@@ -128,8 +128,8 @@ class TrainerActor(Actor):
         `host`: the address receivers reach rank 0's host at (collective); `ws_cfg`: the transport
         (default: this trainer's weight_sync). A second call replaces the sender. Every rank must
         take part: torchtitan's fused-QKV state-dict hook gathers DTensors."""
-        meta = self._c().hf_meta()
-        if self._c().rank != 0:
+        meta = self._c().state.hf_meta()
+        if self._c().par.rank != 0:
             return None
         from pipeline.weightsync.sender import WeightSender
 
@@ -143,8 +143,8 @@ class TrainerActor(Actor):
         """Gather full HF tensors (every rank); rank 0 packs them as the current version and starts the
         transfer. Returns once the snapshot is packed: the next train_step may run while receivers read."""
         core = self._c()
-        sd = core.hf_state_dict()
-        if core.rank != 0:
+        sd = core.state.hf_state_dict()
+        if core.par.rank != 0:
             return None
         if self.sender is None:
             raise RuntimeError("trainer: push_weights before sync_handle(num_receivers)")

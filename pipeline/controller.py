@@ -50,7 +50,7 @@ from pipeline.placement import describe, generator_placements
 from pipeline.procs import alive, kill
 from pipeline.rollout import RewardScorer, reject_rate_problem
 from pipeline.tasks import PromptStream, RewardRejected, open_task, take
-from pipeline.train_core import TooManySkippedSteps, skipped_step_error
+from pipeline.trainer.errors import TooManySkippedSteps, skipped_step_error
 from pipeline.weightsync.sync import WeightSync
 
 log = logging.getLogger(__name__)

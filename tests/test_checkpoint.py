@@ -183,7 +183,7 @@ def test_metrics_after_a_resume_have_no_duplicate_steps(tmp_path):
 
 def test_trainer_restores_rng_per_rank_and_takes_the_new_lr(tmp_path):
     from pipeline.config import Config, ModelConfig, TrainerConfig
-    from pipeline.train_core import TrainCore
+    from pipeline.trainer.step import TrainCore
 
     mc = ModelConfig(cache_dir=str(REPO / ".cache" / "tiny-model"))
     a = TrainCore(Config(model=mc, trainer=TrainerConfig(lr=1e-3, warmup_steps=4)))

@@ -26,9 +26,9 @@ from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, Config, ModelConfig, TaskConfig, TrainerConfig
 from pipeline.rollout import REJECT_MIN_SAMPLES, REJECT_WINDOW, RewardScorer, RolloutStats, reject_rate_problem
 from pipeline.tasks import RewardRejected, Task, check_reward
-from pipeline.train_checks import EmptyBatchError
-from pipeline.train_core import (NonFiniteLossError, NonFiniteWeightsError, TooManySkippedSteps, TrainCore,
-                                 skipped_step_error)
+from pipeline.trainer.errors import (EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError, TooManySkippedSteps,
+                                     skipped_step_error)
+from pipeline.trainer.step import TrainCore
 from pipeline.types import PromptItem, Rollout
 
 from .conftest import REPO

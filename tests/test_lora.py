@@ -16,7 +16,7 @@ import torch
 
 from pipeline.config import Config, ConfigError, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, load_config
 from pipeline.model import read_hf_config, token_logprobs
-from pipeline.train_core import TrainCore
+from pipeline.trainer.step import TrainCore
 
 from tests.conftest import REPO
 from tests.test_trainer_core import make_batch
@@ -46,10 +46,10 @@ def test_only_the_adapters_train_and_a_push_carries_only_them(tiny_dir):
     assert changed and all(".lora_" in n for n in changed)  # the base is frozen
     assert {n for n in before if ".lora_B" in n} <= changed  # B leaves 0: the adapter now does something
     conf = read_hf_config(tiny_dir)
-    sd = core.hf_state_dict()
+    sd = core.state.hf_state_dict()
     assert len(sd) == conf["num_hidden_layers"] * 7 * 2  # q, k, v, o, gate, up, down; A and B each
     assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in sd)
-    plan = BucketPlan.from_state_dict(core.hf_meta(), 1 << 20)
+    plan = BucketPlan.from_state_dict(core.state.hf_meta(), 1 << 20)
     assert {e.name for e in plan.entries} == set(sd)
     from pipeline.model import export_hf
 
@@ -63,8 +63,8 @@ def test_merged_export_is_the_trainers_model_and_peft_export_holds_the_adapters(
     from pipeline.lora import merge_into_hf, read_peft
 
     core = trained_core()
-    core.export_hf(tmp_path / "merged", merged=True)
-    core.export_hf(tmp_path / "peft")
+    core.state.export_hf(tmp_path / "merged", merged=True)
+    core.state.export_hf(tmp_path / "peft")
     ids = torch.randint(4, 50, (2, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = token_logprobs(core.model, ids)
@@ -73,7 +73,7 @@ def test_merged_export_is_the_trainers_model_and_peft_export_holds_the_adapters(
         got = torch.gather(lp, 2, ids[:, 1:, None]).squeeze(-1)
     assert (got - want).abs().max() < 1e-4
     peft = read_peft(tmp_path / "peft" / "adapter")
-    assert peft.keys() == core.hf_state_dict().keys()
+    assert peft.keys() == core.state.hf_state_dict().keys()
     from safetensors.torch import load_file
 
     base = load_file(str(tmp_path / "peft" / "model.safetensors"))
@@ -127,7 +127,7 @@ def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir
 
     async def go():
         llm = AsyncLLM.from_engine_args(engine_args(cfg, tiny_dir, 0, vllm_engine_kwargs()))
-        sender = WeightSender(WeightSyncConfig(transport="shm", timeout_s=60), core.hf_meta(), num_receivers=1)
+        sender = WeightSender(WeightSyncConfig(transport="shm", timeout_s=60), core.state.hf_meta(), num_receivers=1)
         receiver = WeightReceiver(sender.handle(), rank=0)
         res, req = [], None
         try:
@@ -135,7 +135,7 @@ def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir
                 core.train_step(make_batch(core.model, seed=40 + v, mu_noise=0.1))
                 with torch.no_grad():
                     want = token_logprobs(core.model, torch.tensor([ids]))[0]
-                await asyncio.gather(sender.push(core.hf_state_dict(), v), receiver.pull(v))
+                await asyncio.gather(sender.push(core.state.hf_state_dict(), v), receiver.pull(v))
                 prev = req
                 req = await load_lora_into_vllm(llm, receiver, v, 60, str(tmp_path), LORA, prev)
                 got = await served(llm, req)

@@ -13,8 +13,9 @@ import torch
 from pipeline.config import Config, ModelConfig, TrainerConfig
 from pipeline.losses import policy_loss
 from pipeline.model import token_logprobs
-from pipeline.train_checks import BadBatchError
-from pipeline.train_core import NonFiniteLossError, TrainCore, _Proximal, minibatch_plan
+from pipeline.trainer.errors import BadBatchError, NonFiniteLossError
+from pipeline.trainer.snapshots import Proximal
+from pipeline.trainer.step import TrainCore, minibatch_plan
 from pipeline.types import Batch
 
 
@@ -198,7 +199,7 @@ def test_kl_reference_is_the_warm_started_policy_and_survives_a_checkpoint(cfg, 
     core = TrainCore(Config(model=cfg.model, trainer=tc))
     for _ in range(3):
         core.sft_step(b.input_ids, b.loss_mask)
-    assert core.set_reference()
+    assert core.state.set_reference()
     b = make_batch(core.model)
     assert core.train_step(b)["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     ref = {k: v.clone() for k, v in core.ref_model.state_dict().items()}
@@ -373,15 +374,15 @@ def test_mis_balance_scores_every_sample_under_every_version_of_its_batch(cfg):
         logq[i, v] = mu[i]
     alpha = torch.tensor([2, 1, 3, 0], dtype=torch.float64) / 6  # sample 6 is not counted in any version
     expect = [math.log(sum(alpha[j] * math.exp(logq[i, j]) for j in range(3) if alpha[j] > 0)) for i in range(6)]
-    prox = _Proximal(torch.zeros(mask.shape), None)
+    prox = Proximal(mask.shape, core.device, c.trainer)
     plan = minibatch_plan(7, 1, 1, 0, c.trainer.micro_batch_size)
     before = weights(core)
-    m = core._balance_mixture(b, plan, prox)
+    m = core.snapshots.balance_mixture(core.version, b, plan, prox)
     assert same(before, weights(core))  # the live weights are back after scoring with the snapshots
     assert prox.log_mix[:6].tolist() == pytest.approx(expect, abs=1e-4)
     assert prox.log_mix[6].item() == pytest.approx(mu[6].item(), abs=1e-6)  # seq_is's weight
     assert m["mis_balance/versions"] == 3 and m["mis_balance/mixed_samples"] == 1 and m["mis_balance/fallback"] == 0
-    assert sorted(core.snapshots) == [0, 1, 2, 3]  # max_staleness = 3 versions before 3, and 3 itself
+    assert sorted(core.snapshots.weights) == [0, 1, 2, 3]  # max_staleness = 3 versions before 3, and 3 itself
     assert m["mis_balance/snapshot_mb"] > 0
     metrics = core.train_step(b)
     assert metrics["version"] == 4.0 and 0 < metrics["is_ess"] <= 1
@@ -395,9 +396,9 @@ def test_mis_balance_without_a_snapshot_falls_back_to_seq_is(cfg):
     core.version = 5  # as after a resume: versions 4 and 5 in the batch, no snapshot of 4
     ver = torch.where(b.loss_mask > 0, 5, -1).long()
     ver[0][b.loss_mask[0] > 0] = 4
-    prox = _Proximal(torch.zeros(b.loss_mask[:, 1:].shape), None)
-    m = core._balance_mixture(replace(b, versions=ver, trainer_version=5),
-                              minibatch_plan(6, 1, 1, 0, c.trainer.micro_batch_size), prox)
+    prox = Proximal(b.loss_mask[:, 1:].shape, core.device, c.trainer)
+    m = core.snapshots.balance_mixture(core.version, replace(b, versions=ver, trainer_version=5),
+                                       minibatch_plan(6, 1, 1, 0, c.trainer.micro_batch_size), prox)
     mu = (b.behaviour_logprobs[:, 1:] * b.loss_mask[:, 1:]).sum(1)
     assert m["mis_balance/fallback"] == 1 and prox.log_mix.tolist() == pytest.approx(mu.tolist(), abs=1e-5)
 

@@ -1,21 +1,20 @@
 """Input checks the trainer runs before a batch touches the weights (Batch.__post_init__ already
 checks shapes). Each failure raises BadBatchError naming the field and what is wrong; a batch with no
 loss tokens (every completion empty) raises its subclass EmptyBatchError, which the trainer treats
-as a skipped step rather than a bug."""
+as a skipped step rather than a bug (pipeline/trainer/errors.py). Pure functions of their inputs;
+they read no trainer state.
+
+Example:
+    check_batch(batch, vocab_size)               # TrainCore.train_step, first thing
+    check_sft(input_ids, loss_mask, vocab_size)  # TrainCore.sft_step
+"""
 
 from __future__ import annotations
 
 import torch
 
+from pipeline.trainer.errors import BadBatchError, EmptyBatchError
 from pipeline.types import Batch
-
-
-class BadBatchError(ValueError):
-    """A batch the trainer refuses; the weights were not touched."""
-
-
-class EmptyBatchError(BadBatchError):
-    """A well-formed batch with nothing to train on (no loss tokens): the step is skipped."""
 
 
 def _finite(name: str, x: torch.Tensor) -> None:
@@ -59,4 +58,5 @@ def check_batch(batch: Batch, vocab_size: int) -> None:
 
 
 def check_sft(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> None:
+    """Refuse bad demonstration ids and masks, and demonstrations with no loss tokens."""
     _ids_and_mask(input_ids, loss_mask, vocab_size)
