@@ -9,6 +9,8 @@ from pipeline.config.errors import check, choice, id_set
 
 @dataclass
 class BufferConfig:
+    """buffer.*: group and batch shape, staleness bound, over-commitment Δ, what is dropped or retried."""
+
     group_size: int = 4
     """G: samples per prompt group (1..1024)."""
     batch_groups: int = 4

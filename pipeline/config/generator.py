@@ -9,6 +9,8 @@ from pipeline.config.errors import check, choice, id_set
 
 @dataclass
 class GeneratorConfig:
+    """generator.*: how many generators, their engines, sampling, update strategy, placement and timeouts."""
+
     num_generators: int = 1
     """Generator actors, one vLLM engine each (1..64)."""
     engine: str = "vllm-cpu"

@@ -23,8 +23,7 @@ REMOVED_KEYS: dict[str, str] = {
     "generator.top_p": "the sampler always uses 1.0 for RL: with top_p < 1 the sampler's logprobs are of the "
                        "truncated, renormalised distribution, which the learner cannot score, so every "
                        "importance ratio is biased low",
-    "weight_sync.backend": "the collective transport always uses trainer.backend (its broadcast runs beside the "
-                           "trainer's own process group); set trainer.backend",
+    "weight_sync.backend": "the collective transport always uses trainer.backend, which it had to equal",
 }
 """Keys a config may no longer name -> why they went. A checkpoint's recorded config may still hold
 them (pipeline/checkpoint.py ignores them when it diffs configs on resume)."""

@@ -41,6 +41,8 @@ class TinyModelConfig:
 
 @dataclass
 class ModelConfig:
+    """model.*: the checkpoint (a local HF directory, or the tiny one built here) and its dtype."""
+
     hf_dir: str = ""
     """Local HF checkpoint directory (config.json, *.safetensors, tokenizer.json). Empty: build tiny assets."""
     cache_dir: str = ".cache/tiny-model"

@@ -11,6 +11,8 @@ from pipeline.config.errors import check, choice, id_set
 
 @dataclass
 class RewardModelConfig:
+    """reward_model.*: an optional learned scorer, how its score mixes with the task's, its limits."""
+
     path: str = ""
     """HF checkpoint of a scoring model with a scalar head (AutoModelForSequenceClassification with
     num_labels=1, e.g. Qwen3ForSequenceClassification; tools/train_reward_model.py makes a tiny one

@@ -13,6 +13,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 @dataclass
 class RunConfig:
+    """run.*: mode, length, seed, outputs, logging, checkpoints and resume, placement sharing."""
+
     mode: str = "async"
     """async (overlapped loops) | sync (generate a full batch, train, sync, repeat)."""
     steps: int = 20

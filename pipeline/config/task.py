@@ -10,6 +10,8 @@ from pipeline.config.errors import check
 
 @dataclass
 class TaskConfig:
+    """task.*: the task plug-in, its data files, reward and environment limits."""
+
     name: str = "pipeline.tasks.reverse"
     """Dotted path of a task module or object providing `prompts(...)` and `reward(prompt, completion)`."""
     seed: int = 0

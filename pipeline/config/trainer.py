@@ -14,6 +14,8 @@ LORA_TARGETS = {"wqkv": "attention.qkv_linear.wqkv", "wo": "attention.wo", "w1":
 
 @dataclass
 class LoraConfig:
+    """trainer.lora.*: low-rank adapters instead of full fine-tuning (rank 0: off)."""
+
     rank: int = 0
     """LoRA rank r (pipeline/lora.py): 0 trains the full model; 8, 16, 32, 64, 128 or 256 train only
     low-rank adapters on trainer.lora.targets, push only them, and serve them with vLLM's LoRA."""
@@ -36,6 +38,8 @@ class LoraConfig:
 
 @dataclass
 class TrainerConfig:
+    """trainer.*: ranks and parallelism, optimizer, loss and off-policy correction, placement, timeouts."""
+
     num_ranks: int = 1
     """Trainer ranks (FSDP2 data-parallel shards), 1..4096."""
     device: str = "cpu"

@@ -9,6 +9,8 @@ from pipeline.config.errors import check, choice
 
 @dataclass
 class WeightSyncConfig:
+    """weight_sync.*: the transport of trainer -> generator weight pushes, its buckets and timeout."""
+
     transport: str = "shm"
     """rdma (Monarch RDMABuffer) | collective (torch.distributed broadcast, over trainer.backend) | shm
     (same-host shared memory)."""
