@@ -135,7 +135,7 @@ class TrainerActor(Actor):
 
         if self.sender is not None:
             self.sender.close()
-        self.sender = WeightSender(ws_cfg or self.cfg.weight_sync, meta, num_receivers, host)
+        self.sender = WeightSender(ws_cfg or self.cfg.weight_sync, meta, num_receivers, host, self.cfg.trainer.backend)
         return self.sender.handle()
 
     @endpoint

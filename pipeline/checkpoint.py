@@ -7,7 +7,8 @@ fingerprint a resume must match.
     ...                                      # every trainer rank writes its part into tmp, then the
                                              # controller writes controller_state.pt
     path = ck.commit(tmp, step, version)     # marker written last, os.replace -> step_N, retention
-    cfg = prepare_resume(cfg)                # run.resume=latest -> a path; fingerprint checked
+    cfg = prepare_resume(cfg)                # at start-up (pipeline/run.py): run.resume=latest -> a path,
+                                             # an incomplete one refused, the fingerprint checked
 
 A checkpoint directory out_dir/checkpoints/step_N/ holds
     .metadata, __<r>_0.distcp   trainer model + AdamW moments (torch.distributed.checkpoint, all ranks)
@@ -50,7 +51,8 @@ from typing import Any
 
 import torch
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import REMOVED_KEYS, Config, ConfigError
+from pipeline.model import SPECIAL_TOKENS, hf_config, padded_vocab_size, tiny_vocab
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ def read_marker(path: str | Path) -> dict:
     why = incomplete(path)
     if why is not None:
         raise ConfigError(f"config: run.resume={str(path)!r} is invalid; allowed: 'latest' or a complete "
-                          f"checkpoint directory (this one: {why})")
+                          f"checkpoint directory written by run.checkpoint_every (this one: {why})")
     return json.loads((Path(path) / MARKER).read_text())
 
 
@@ -240,8 +242,6 @@ def _sha256(*parts: bytes) -> str:
 
 def fingerprint(cfg: Config) -> dict[str, Any]:
     """What a resume must match (module docstring), read from files only: no model is built."""
-    from pipeline.model import SPECIAL_TOKENS, _padded_vocab_size, _vocab, hf_config
-
     m = cfg.model
     if m.hf_dir:
         d = Path(m.hf_dir)
@@ -254,9 +254,9 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
                            if p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")))
         tokenizer = _sha256(*(p.name.encode() + p.read_bytes() for p in tok_files))
     else:
-        conf = hf_config(m.tiny, _padded_vocab_size(len(_vocab())))
+        conf = hf_config(m.tiny, padded_vocab_size(len(tiny_vocab())))
         # the tiny tokenizer is defined by its vocabulary (pipeline.model builds tokenizer.json from it)
-        tokenizer = _sha256(json.dumps({"special": SPECIAL_TOKENS, "vocab": _vocab()}, sort_keys=True).encode())
+        tokenizer = _sha256(json.dumps({"special": SPECIAL_TOKENS, "vocab": tiny_vocab()}, sort_keys=True).encode())
     fp: dict[str, Any] = {f"model.{k}": conf.get(k) for k in SHAPE_KEYS}
     if fp["model.head_dim"] is None:
         fp["model.head_dim"] = conf["hidden_size"] // conf["num_attention_heads"]
@@ -304,10 +304,11 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
-    """(key, checkpoint's value, this config's value) for every key that differs, run.resume aside."""
+    """(key, checkpoint's value, this config's value) for every key that differs, run.resume aside,
+    and the keys removed since (REMOVED_KEYS): an older checkpoint records them, nothing can set them."""
     old, new = _flat(saved), _flat(dataclasses.asdict(cfg))
     return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-            if k != "run.resume" and old.get(k) != new.get(k)]
+            if k != "run.resume" and k not in REMOVED_KEYS and old.get(k) != new.get(k)]
 
 
 def prepare_resume(cfg: Config) -> Config:

@@ -26,7 +26,8 @@ import os
 import re
 import warnings
 
-LEVELS = ("debug", "info", "warning", "error")
+from pipeline.config import LOG_LEVELS
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # (logger, text): messages every healthy run prints, each with why it is benign here.
@@ -70,9 +71,9 @@ class DropBenign(logging.Filter):
 
 
 def level_of(name: str) -> int:
-    """'warning' -> logging.WARNING (any case); raises ValueError for a name not in LEVELS."""
-    if name.lower() not in LEVELS:
-        raise ValueError(f"log level {name!r}: allowed {', '.join(LEVELS)}")
+    """'warning' -> logging.WARNING (any case); raises ValueError for a name not in LOG_LEVELS."""
+    if name.lower() not in LOG_LEVELS:
+        raise ValueError(f"log level {name!r}: allowed {', '.join(LOG_LEVELS)}")
     return getattr(logging, name.upper())
 
 

@@ -27,20 +27,15 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from pipeline.config import LoraConfig
+from pipeline.config import LORA_TARGETS, LoraConfig
 
-__all__ = ["TARGETS", "apply_lora", "lora_parameters", "peft_state_dict", "write_peft", "read_peft",
+__all__ = ["apply_lora", "lora_parameters", "peft_state_dict", "write_peft", "read_peft",
            "merge_into_hf", "peft_names"]
 
-TARGETS = {"wqkv": "attention.qkv_linear.wqkv", "wo": "attention.wo", "w1": "feed_forward.w1",
-           "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
-"""trainer.lora.targets names -> the torchtitan module path inside a block."""
 _HF = {"wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
 _PEFT_TARGETS = {"wqkv": ["q_proj", "k_proj", "v_proj"], "wo": ["o_proj"], "w1": ["gate_proj"],
                  "w2": ["down_proj"], "w3": ["up_proj"]}
@@ -60,7 +55,7 @@ def apply_lora(model: torch.nn.Module, lcfg: "LoraConfig") -> None:
     model.requires_grad_(False)
     for block in model.layers.values():
         for t in _targets(lcfg):
-            lin = block.get_submodule(TARGETS[t])
+            lin = block.get_submodule(LORA_TARGETS[t])
             out_f, in_f = lin.weight.shape
             a = torch.empty(lcfg.rank, in_f, dtype=lin.weight.dtype, device=lin.weight.device)
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's init of A; B starts at 0
@@ -99,7 +94,7 @@ def peft_state_dict(model: torch.nn.Module, hf_conf: dict, lcfg: "LoraConfig") -
     for i, block in model.layers.items():
         pre = f"base_model.model.model.layers.{i}"
         for t in _targets(lcfg):
-            lin = block.get_submodule(TARGETS[t])
+            lin = block.get_submodule(LORA_TARGETS[t])
             a, b = _full(lin.lora_A), _full(lin.lora_B)
             if t == "wqkv":  # fused rows [kv group, q heads of the group + k + v, head_dim]
                 r = b.shape[1]

@@ -44,14 +44,16 @@ class ModelError(ValueError):
 # ---------------------------------------------------------------- tiny assets
 
 
-def _vocab() -> dict[str, int]:
+def tiny_vocab() -> dict[str, int]:
+    """The tiny tokenizer's vocabulary: special tokens, then CHARS."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
         vocab.setdefault(ch, len(vocab))
     return vocab
 
 
-def _padded_vocab_size(n: int) -> int:
+def padded_vocab_size(n: int) -> int:
+    """The embedding rows for `n` tokens: a multiple of 64."""
     return (n + 63) // 64 * 64
 
 
@@ -59,7 +61,7 @@ def build_tokenizer_json(path: Path) -> None:
     """Character-level tokenizer: BPE with an empty merge list, Fuse decoder (no added spaces)."""
     from tokenizers import Tokenizer, decoders, models
 
-    tok = Tokenizer(models.BPE(vocab=_vocab(), merges=[], unk_token="<unk>"))
+    tok = Tokenizer(models.BPE(vocab=tiny_vocab(), merges=[], unk_token="<unk>"))
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.decoder = decoders.Fuse()
     tok.save(str(path))
@@ -105,7 +107,7 @@ def ensure_tiny_assets(cfg: ModelConfig) -> Path:
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    vocab_size = _padded_vocab_size(len(_vocab()))
+    vocab_size = padded_vocab_size(len(tiny_vocab()))
     conf = hf_config(cfg.tiny, vocab_size)
     (tmp / "config.json").write_text(json.dumps(conf, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(

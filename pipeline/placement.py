@@ -1,6 +1,6 @@
 """Placement: the cores and GPUs each proc of the job runs on (issue #13).
 
-    parse_ids("0,2,4-7")                                  # (0, 2, 4, 5, 6, 7); "" -> () (not pinned)
+    check_host(cfg)    # at start-up: every core a *.cpus key names is one this process may run on
     p = trainer_placement(cfg, rank=1, per_host=2, host_cores=8)   # pure: trainer rank 1, 2 ranks a host
     ps = generator_placements(cfg, generator_hosts=[0, 1, 0], trainer_per_host=2)
     info = apply(p)    # in the proc, first thing in its actor's setup; what the proc ended up with
@@ -24,53 +24,29 @@ starts. GPU ids are checked against torch.cuda.device_count() there, the only pl
 from __future__ import annotations
 
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from pipeline.config import ConfigError
-
-if TYPE_CHECKING:
-    from pipeline.config import Config
-
-MAX_ID = 65535
-_ITEM = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
+from pipeline.config import Config
+from pipeline.config.errors import check
+from pipeline.config.ids import format_ids, parse_ids
 
 
 class PlacementError(RuntimeError):
     """A placement this host cannot give (cores it does not have, GPUs it does not see)."""
 
 
-def parse_ids(spec: str, what: str = "core") -> tuple[int, ...]:
-    """'0', '0-3', '0,2,4-7' -> the ids in the order written; '' -> (). ValueError on bad syntax,
-    an id above MAX_ID or an id listed twice."""
-    if not spec.strip():
-        return ()
-    out: list[int] = []
-    for item in spec.split(","):
-        m = _ITEM.fullmatch(item)
-        if m is None:
-            raise ValueError(f"{item.strip()!r} is not a {what} id or a range a-b of them")
-        lo, hi = int(m[1]), int(m[2] if m[2] is not None else m[1])
-        if hi < lo or hi > MAX_ID:
-            raise ValueError(f"range {item.strip()!r} is empty or goes past {MAX_ID}")
-        for i in range(lo, hi + 1):
-            if i in out:
-                raise ValueError(f"{what} {i} is listed twice")
-            out.append(i)
-    return tuple(out)
-
-
-def format_ids(ids) -> str:
-    """Sorted ids as cpuset syntax: [0, 1, 2, 5] -> '0-2,5'."""
-    ids, parts = sorted(ids), []
-    for i in ids:
-        if parts and parts[-1][1] == i - 1:
-            parts[-1][1] = i
-        else:
-            parts.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+def check_host(cfg: Config) -> None:
+    """ConfigError naming the first *.cpus key with a core this host does not give this process
+    (os.sched_getaffinity): at start-up, before any proc, so a typo exits 2 instead of failing in
+    a proc's placement. Core sets are the same on every host, so this host speaks for all."""
+    allowed = os.sched_getaffinity(0)
+    for key, spec in (("trainer.cpus", cfg.trainer.cpus), ("generator.cpus", cfg.generator.cpus),
+                      ("buffer.cpus", cfg.buffer.cpus), ("reward_model.cpus", cfg.reward_model.cpus)):
+        cores = set(parse_ids(spec))
+        check(cores <= allowed, key, spec, f"cores of this host ({format_ids(allowed)}); "
+              f"{format_ids(cores - allowed)} is not one")
 
 
 def split_even(ids: Sequence[int], n: int, k: int) -> tuple[int, ...]:
@@ -98,17 +74,12 @@ class Placement:
     """The config key of explicit GPU ids; '' for the default assignment, which wraps around."""
 
 
-def _need(cond: bool, key: str, value: str, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"config: {key}={value!r} is invalid; allowed: {allowed}")
-
-
 def _share(spec: str, key: str, n: int, k: int, per: int, who: str) -> tuple[int, ...]:
     """Proc k's share of the sorted core set `spec` among n procs needing `per` cores each."""
     cpus = tuple(sorted(parse_ids(spec)))
     if not cpus:
         return ()
-    _need(len(cpus) >= n * per, key, spec, f"a set of at least {n * per} cores: {who}")
+    check(len(cpus) >= n * per, key, spec, f"a set of at least {n * per} cores: {who}")
     return split_even(cpus, n, k)
 
 
@@ -123,7 +94,7 @@ def trainer_placement(cfg: Config, rank: int, per_host: int, host_cores: int) ->
     if t.device == "cuda":
         ids = parse_ids(t.devices, "GPU")
         if ids:
-            _need(len(ids) >= per_host, "trainer.devices", t.devices,
+            check(len(ids) >= per_host, "trainer.devices", t.devices,
                   f"one GPU per trainer rank of a host ({per_host} = trainer.num_ranks / hosts)")
             gpus, key = (ids[local],), "trainer.devices"
         else:
@@ -148,7 +119,7 @@ def generator_placements(cfg: Config, generator_hosts: Sequence[int], trainer_pe
         gpus, key = (), ""
         if g.engine == "vllm":
             if gpu_ids:
-                _need(len(gpu_ids) >= n * tp, "generator.devices", g.devices, f"at least {n * tp} GPUs: {who}")
+                check(len(gpu_ids) >= n * tp, "generator.devices", g.devices, f"at least {n * tp} GPUs: {who}")
                 gpus, key = gpu_ids[k * tp:(k + 1) * tp], "generator.devices"
             else:
                 gpus = tuple(range(first_gpu + k * tp, first_gpu + (k + 1) * tp))

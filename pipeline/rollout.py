@@ -75,15 +75,13 @@ def check_prompt(prompt_len: int, max_model_len: int) -> None:
                                               "and at least one must be left for the completion")
 
 
-def check_request(prompt_len: int, max_tokens: int, temperature: float, top_p: float, max_model_len: int) -> None:
+def check_request(prompt_len: int, max_tokens: int, temperature: float, max_model_len: int) -> None:
     """Raise RequestError for input vLLM must never see: empty or over-long prompt, bad sampling values."""
     check_prompt(prompt_len, max_model_len)
     if not (isinstance(max_tokens, int) and max_tokens >= 1):
         raise RequestError("bad_sampling_params", f"max_tokens={max_tokens!r}; allowed: integer >= 1")
     if not (math.isfinite(temperature) and 0 <= temperature <= 10):
         raise RequestError("bad_sampling_params", f"temperature={temperature!r}; allowed: 0 <= t <= 10")
-    if not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise RequestError("bad_sampling_params", f"top_p={top_p!r}; allowed: 0 < p <= 1")
 
 
 def spans_to_versions(spans: Iterable | None, num_tokens: int) -> list[int]:

@@ -479,7 +479,7 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        check_request(len(traj.prompt_tokens), max_tokens, self.g.temperature, self.g.top_p, self.g.max_model_len)
+        check_request(len(traj.prompt_tokens), max_tokens, self.g.temperature, self.g.max_model_len)
         before = traj.reprefill_tokens
         traj.begin_segment()
         self.stats.reprefill_tokens += traj.reprefill_tokens - before
@@ -488,7 +488,7 @@ class RolloutEngine:
         # With a streaming reward model the tokens arrive as they are sampled (DELTA) and go on to it
         # in chunks (pipeline/reward_client.py); the version spans still come with the final output.
         stream = self.rm is not None and self.rm.chunk > 0
-        sp = SamplingParams(max_tokens=max_tokens, temperature=self.g.temperature, top_p=self.g.top_p,
+        sp = SamplingParams(max_tokens=max_tokens, temperature=self.g.temperature, top_p=1.0,
                             logprobs=0, ignore_eos=self.g.ignore_eos,
                             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         self._rids[traj.key] = rid
@@ -664,7 +664,7 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         self.check()
-        check_request(1, max_new_tokens, temperature, 1.0, self.g.max_model_len)  # the sampling values
+        check_request(1, max_new_tokens, temperature, self.g.max_model_len)  # the sampling values
 
         items = [p if isinstance(p, PromptItem) else PromptItem(uid=i, prompt=p) for i, p in enumerate(prompts)]
         limit = asyncio.Semaphore(2 * self.g.concurrency if self.task.env is not None else len(items) or 1)

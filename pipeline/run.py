@@ -23,7 +23,9 @@ import sys
 from typing import Any
 
 from pipeline import cleanup, logs
+from pipeline.checkpoint import prepare_resume
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.placement import check_host
 from pipeline.tasks import TaskError
 
 log = logging.getLogger("pipeline")
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     cleanup.raise_on_signals()
     try:
         cfg = load_config(args.config, args.overrides)
+        check_host(cfg)  # the values are checked; now what needs this host and the disk, before any proc
+        cfg = prepare_resume(cfg)
         logs.configure(cfg.run.log_level)  # before any proc starts: they inherit VLLM_LOGGING_LEVEL
         swept = cleanup.sweep_segments()
         if swept:

@@ -62,17 +62,17 @@ def test_a_save_cut_short_is_never_resumed_and_latest_picks_the_previous_complet
     assert "truncated" in incomplete(truncated) and MARKER in incomplete(unmarked)
     assert "not a step_N" in incomplete(killed)
     assert latest(ck.root) == good
-    assert load_config(TINY, [f"run.out_dir={tmp_path}", "run.resume=latest"]).run.resume == str(good)
+    assert prepare_resume(load_config(TINY, [f"run.out_dir={tmp_path}", "run.resume=latest"])).run.resume == str(good)
     for bad in (truncated, unmarked, killed):
         with pytest.raises(ConfigError, match="run.resume"):
-            load_config(TINY, [f"run.out_dir={tmp_path}", f"run.resume={bad}"])
+            prepare_resume(load_config(TINY, [f"run.out_dir={tmp_path}", f"run.resume={bad}"]))
     assert ck.sweep() == [killed] and not killed.exists()
     assert unmarked.exists()  # not a leftover of ours: skipped, never deleted
 
 
 def test_resume_latest_without_a_checkpoint_is_a_config_error_naming_run_resume(tmp_path):
     with pytest.raises(ConfigError, match="run.resume='latest'"):
-        load_config(TINY, [f"run.out_dir={tmp_path}", "run.resume=latest"])
+        prepare_resume(load_config(TINY, [f"run.out_dir={tmp_path}", "run.resume=latest"]))
 
 
 def test_retention_keeps_only_the_newest_keep_checkpoints(tmp_path):
@@ -97,14 +97,14 @@ def test_resume_with_a_changed_shape_fails_naming_the_key_and_other_changes_appl
                           ("buffer.group_size=4", "buffer.group_size"),
                           ("task.name=pipeline.tasks.arith", "task.name")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_config(TINY, [*resume, override])
+            prepare_resume(load_config(TINY, [*resume, override]))
     with caplog.at_level(logging.INFO, logger="pipeline.checkpoint"):
-        cfg = load_config(TINY, [*resume, "trainer.lr=5e-4", "run.steps=900"])
+        cfg = prepare_resume(load_config(TINY, [*resume, "trainer.lr=5e-4", "run.steps=900"]))
     assert cfg.trainer.lr == 5e-4 and cfg.run.steps == 900
     assert "trainer.lr=0.0005 (the checkpoint's run had 0.0003); the new value applies" in caplog.text
     assert prepare_resume(cfg) == cfg  # resolved once: idempotent
     with pytest.raises(ConfigError, match="run.steps=2 is invalid"):  # the checkpoint is at step 2
-        load_config(TINY, [*resume, "run.steps=2"])
+        prepare_resume(load_config(TINY, [*resume, "run.steps=2"]))
 
 
 def test_cli_resume_with_another_model_shape_exits_2_before_any_mesh_starts(tmp_path):

@@ -1,9 +1,12 @@
+import json
+import logging
 import re
 import subprocess
 import sys
 
 import pytest
 
+from pipeline.checkpoint import MARKER, Checkpoints, prepare_resume, save_controller_state
 from pipeline.config import Config, ConfigError, load_config
 
 from .conftest import REPO
@@ -108,3 +111,36 @@ def test_run_entry_point_exits_nonzero_on_bad_config(override, must_name):
 def test_bad_multi_turn_settings_name_their_key(override, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
         load_config("configs/tiny.yaml", [override])
+
+
+@pytest.mark.parametrize("key, value, why", [("generator.top_p", "1.0", "biased low"),
+                                             ("weight_sync.backend", "gloo", "trainer.backend")])
+def test_removed_keys_are_refused_by_name_with_the_reason(tmp_path, key, value, why):
+    """A removed key fails as a ConfigError naming it, from the command line and from a YAML file,
+    even at its only accepted value, instead of OmegaConf's unknown-key error."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}={value} \(a command-line override\) is no longer a "
+                                          rf"key, it was removed: .*{why}"):
+        load_config(None, [f"{key}={value}"])
+    section, name = key.split(".")
+    yaml = tmp_path / "old.yaml"
+    yaml.write_text(f"{section}:\n  {name}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}={value} \(in .*old\.yaml'\) is no longer a key"):
+        load_config(yaml)
+
+
+def test_a_checkpoint_recording_removed_keys_still_resumes(tmp_path, caplog):
+    """Checkpoints written before generator.top_p and weight_sync.backend went record them in their
+    config; a resume ignores them (nothing can set them now) and diffs the rest as before."""
+    ck = Checkpoints(load_config(REPO / "configs" / "tiny.yaml", [f"run.out_dir={tmp_path}"]))
+    tmp = ck.begin(2)
+    save_controller_state(tmp, {"step": 2, "version": 2})
+    path = ck.commit(tmp, 2, 2)
+    marker = json.loads((path / MARKER).read_text())
+    marker["config"]["generator"]["top_p"] = 1.0
+    marker["config"]["weight_sync"]["backend"] = "gloo"
+    (path / MARKER).write_text(json.dumps(marker))
+    with caplog.at_level(logging.INFO, logger="pipeline.checkpoint"):
+        cfg = prepare_resume(load_config(REPO / "configs" / "tiny.yaml",
+                                         [f"run.out_dir={tmp_path}", "run.resume=latest", "trainer.lr=5e-4"]))
+    assert cfg.run.resume == str(path)
+    assert "trainer.lr=0.0005" in caplog.text and "top_p" not in caplog.text and "weight_sync.backend" not in caplog.text

@@ -12,18 +12,13 @@ import pytest
 
 from pipeline import procs
 from pipeline.config import ConfigError, load_config
-from pipeline.placement import (PlacementError, format_ids, generator_placements, parse_ids, resolve_gpus,
-                                split_even, trainer_placement)
+from pipeline.config.ids import format_ids, parse_ids
+from pipeline.placement import (PlacementError, check_host, generator_placements, resolve_gpus, split_even,
+                                trainer_placement)
 
 from .conftest import REPO
 
 GPU = ["trainer.device=cuda", "trainer.backend=nccl", "generator.engine=vllm"]
-
-
-@pytest.fixture
-def big_host(monkeypatch):
-    """A 64-core host for the pure rules: config checks cores against os.sched_getaffinity."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
 
 
 def test_parse_ids_reads_cpuset_syntax_and_refuses_bad_sets():
@@ -45,7 +40,7 @@ def test_split_even_gives_contiguous_shares_differing_by_at_most_one():
             assert all(shares)
 
 
-def test_trainer_ranks_split_their_hosts_cores_and_threads_follow(big_host):
+def test_trainer_ranks_split_their_hosts_cores_and_threads_follow():
     cfg = load_config(None, ["trainer.num_ranks=4", "trainer.cpus=0-4"])
     ranks = [trainer_placement(cfg, r, per_host=2, host_cores=64) for r in range(4)]  # 2 hosts of 2 ranks
     assert [p.cpus for p in ranks] == [(0, 1, 2), (3, 4), (0, 1, 2), (3, 4)]
@@ -57,7 +52,7 @@ def test_trainer_ranks_split_their_hosts_cores_and_threads_follow(big_host):
         trainer_placement(load_config(None, ["trainer.num_ranks=4", "trainer.cpus=0-2"]), 0, 4, 64)
 
 
-def test_generators_split_their_hosts_cores_and_bind_vllm_worker_threads(big_host):
+def test_generators_split_their_hosts_cores_and_bind_vllm_worker_threads():
     cfg = load_config(None, ["generator.num_generators=3", "generator.cpus=0-7", "generator.tensor_parallel_size=2",
                              "trainer.cpus=8", "buffer.cpus=9"])
     g0, g1, g2 = generator_placements(cfg, [0, 1, 0], trainer_per_host=1)  # two on host 0, one on host 1
@@ -115,9 +110,10 @@ def test_bad_placement_names_the_key(overrides, must_name):
 
 def test_cores_this_host_lacks_are_refused_and_sharing_is_allowed_when_asked():
     with pytest.raises(ConfigError, match=r"trainer\.cpus='0-4095' is invalid; allowed: cores of this host"):
-        load_config(None, ["trainer.cpus=0-4095"])
+        check_host(load_config(None, ["trainer.cpus=0-4095"]))
     core = min(os.sched_getaffinity(0))
     cfg = load_config(None, [f"trainer.cpus={core}", f"buffer.cpus={core}", "run.allow_shared_cpus=true"])
+    check_host(cfg)
     assert cfg.trainer.cpus == cfg.buffer.cpus == str(core)
     cfg = load_config(None, [*GPU, "trainer.devices=0", "generator.devices=0", "run.allow_shared_devices=true"])
     assert cfg.generator.devices == "0"

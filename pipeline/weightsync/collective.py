@@ -3,7 +3,7 @@
 A dedicated process group of `1 + num_receivers` ranks (sender = 0, receiver r = r + 1), built
 from a TCPStore the sender hosts, never the trainer's default group. Store and gloo sockets listen
 only on the address given to the sender (127.0.0.1 on one host; the trainer host's address when
-generators live on other hosts). `gloo` on CPU, `nccl` on GPU
+generators live on other hosts). The backend is the trainer's (trainer.backend): `gloo` on CPU, `nccl` on GPU
 (same code; with nccl the slots and the receive bucket live on cuda and each received bucket is
 copied to the host staging segment). The group forms lazily on the first push/pull, which must run
 concurrently (see WeightSender). Every collective runs on one worker thread per side, so the
@@ -86,9 +86,10 @@ class _Group:
 class CollectiveSender(SenderTransport):
     kind = "collective"
 
-    def __init__(self, plan: BucketPlan, num_receivers: int, cfg, host: str) -> None:
+    def __init__(self, plan: BucketPlan, num_receivers: int, cfg, host: str, backend: str) -> None:
         super().__init__(plan, num_receivers, cfg)
-        device = "cuda" if cfg.backend == "nccl" else "cpu"
+        self.backend = backend  # the trainer's (trainer.backend): slots live where its tensors do
+        device = "cuda" if backend == "nccl" else "cpu"
         world = num_receivers + 1
         self._host = cfg.collective_host or host
         # A socket we bound ourselves (TCPStore's own listener would take every interface); the
@@ -97,14 +98,14 @@ class CollectiveSender(SenderTransport):
         port = sock.getsockname()[1]
         self._store = dist.TCPStore(self._host, port, world, is_master=True, wait_for_workers=False,
                                     master_listen_fd=sock.detach(), timeout=datetime.timedelta(seconds=cfg.timeout_s))
-        self._group = _Group(cfg.backend, self._host, self._store.port, 0, world, cfg.timeout_s, self._host)
+        self._group = _Group(backend, self._host, self._store.port, 0, world, cfg.timeout_s, self._host)
         self.slots = [Slot(torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device=device),
                            torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)) for _ in range(NUM_SLOTS)]
         for s in self.slots:
             s.header[seg.H_VERSION] = seg.EMPTY
 
     def handle_info(self) -> dict[str, Any]:
-        return {"host": self._host, "port": self._store.port, "backend": self.cfg.backend}
+        return {"host": self._host, "port": self._store.port, "backend": self.backend}
 
     async def send(self, slot: int, version: int, timeout_s: float) -> None:
         s = self.slots[slot]

@@ -16,8 +16,10 @@ from pipeline.weightsync.plan import BucketPlan
 from pipeline.weightsync.transport import NUM_SLOTS, SenderTransport, SyncHandle
 
 
-def make_sender(kind: str, plan: BucketPlan, num_receivers: int, cfg, host: str = "127.0.0.1") -> SenderTransport:
-    """The sender side of transport `kind`; `host` is the address receivers reach this process at."""
+def make_sender(kind: str, plan: BucketPlan, num_receivers: int, cfg, host: str = "127.0.0.1",
+                backend: str = "gloo") -> SenderTransport:
+    """The sender side of transport `kind`; `host` is the address receivers reach this process at,
+    `backend` the torch.distributed backend of a collective (the trainer's, trainer.backend)."""
     if kind == "shm":
         from pipeline.weightsync.shm import ShmSender
         return ShmSender(plan, num_receivers, cfg)
@@ -26,7 +28,7 @@ def make_sender(kind: str, plan: BucketPlan, num_receivers: int, cfg, host: str 
         return RdmaSender(plan, num_receivers, cfg)
     if kind == "collective":
         from pipeline.weightsync.collective import CollectiveSender
-        return CollectiveSender(plan, num_receivers, cfg, host)
+        return CollectiveSender(plan, num_receivers, cfg, host, backend)
     raise ValueError(f"unknown weight-sync transport {kind!r}")
 
 
@@ -61,13 +63,13 @@ class WeightSender:
     """
 
     def __init__(self, cfg: WeightSyncConfig, state_dict_meta_or_sd: Mapping[str, object], num_receivers: int,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", backend: str = "gloo") -> None:
         if num_receivers < 1:
             raise ValueError(f"WeightSender: num_receivers={num_receivers} must be >= 1")
         self.cfg = cfg
         self.plan = BucketPlan.from_state_dict(state_dict_meta_or_sd, cfg.bucket_mb << 20)
         self.num_receivers = num_receivers
-        self.transport = make_sender(cfg.transport, self.plan, num_receivers, cfg, host)
+        self.transport = make_sender(cfg.transport, self.plan, num_receivers, cfg, host, backend)
         self._sending: asyncio.Task | None = None
         for slot in self.transport.slots:  # fault the pages in now, not during the first pushes
             slot.data.zero_()

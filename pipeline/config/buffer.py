@@ -1,0 +1,62 @@
+"""buffer.*: the replay buffer and its over-commitment controller (pipeline/buffer.py, pipeline/overcommit.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config.errors import check, choice, id_set
+
+
+@dataclass
+class BufferConfig:
+    """buffer.*: group and batch shape, staleness bound, over-commitment Δ, what is dropped or retried."""
+
+    group_size: int = 4
+    """G: samples per prompt group (1..1024)."""
+    batch_groups: int = 4
+    """B: prompt groups per training step (1..65536)."""
+    max_staleness: int = 1
+    """Drop samples whose staleness (trainer version - oldest token version) exceeds this (0..1000)."""
+    overcommit: str = "adaptive"
+    """Over-commitment Δ: none (Δ=0, synchronous batching) | fixed (Δ=delta) | adaptive (OPPO reward slope)."""
+    delta: int = 2
+    """Fixed Δ, and the starting Δ when adaptive (0..65536)."""
+    delta_min: int = 0
+    """Smallest adaptive Δ (0..delta_max)."""
+    delta_max: int = 8
+    """Largest adaptive Δ (>= delta_min)."""
+    window: int = 8
+    """w: steps in the reward-slope window of the adaptive Δ controller (3..1000; the slope's
+    standard error has w - 2 degrees of freedom, so small windows make the t-statistic erratic)."""
+    slope_tstat: float = 2.0
+    """Δ grows only while the window's reward slope / its standard error exceeds this (>= 0), i.e.
+    while the reward is significantly rising; otherwise Δ decays. 0 grows on any positive slope."""
+    normalize_std: bool = True
+    """Divide group-relative advantages by the group's reward std."""
+    retry_stale: bool = True
+    """A group dropped as stale was never trained on: admit its prompt again (before new prompts), so
+    a finite dataset loses no prompt to staleness. Counted in the buffer stats as retried_prompts."""
+    zero_signal: str = "keep"
+    """Groups whose rewards are all equal (no learning signal under group-relative advantages):
+    keep (trained at zero advantage) | drop (DAPO dynamic sampling: not trained, counted as dropped
+    zero_signal, and admission replaces them so batches fill with groups that carry signal)."""
+    batch_timeout_s: float = 600.0
+    """Seconds the trainer waits for a batch before the run fails."""
+    cpus: str = ""
+    """Cores of the replay buffer's proc (on host 0), cpuset syntax ('0', '0-1'; '' = not pinned, the
+    default), with one torch thread per core."""
+
+    def __post_init__(self) -> None:
+        check(1 <= self.group_size <= 1024, "buffer.group_size", self.group_size, "1..1024")
+        check(1 <= self.batch_groups <= 65536, "buffer.batch_groups", self.batch_groups, "1..65536")
+        check(0 <= self.max_staleness <= 1000, "buffer.max_staleness", self.max_staleness, "0..1000")
+        choice("buffer.overcommit", self.overcommit, ("none", "fixed", "adaptive"))
+        check(0 <= self.delta <= 65536, "buffer.delta", self.delta, "0..65536")
+        check(0 <= self.delta_min <= self.delta_max, "buffer.delta_min", self.delta_min,
+              f"0..delta_max={self.delta_max}")
+        check(3 <= self.window <= 1000, "buffer.window", self.window, "3..1000")
+        check(self.slope_tstat >= 0, "buffer.slope_tstat", self.slope_tstat, ">= 0")
+        choice("buffer.zero_signal", self.zero_signal, ("keep", "drop"))
+        check(self.batch_timeout_s > 0, "buffer.batch_timeout_s", self.batch_timeout_s, "> 0")
+        id_set("buffer.cpus", self.cpus)
+

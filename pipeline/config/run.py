@@ -1,0 +1,89 @@
+"""run.*: the run as a whole: mode, length, outputs, logging, checkpoints and resume."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from pipeline.config.errors import check, choice
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""run.log_level's values (pipeline/logs.py maps them to logging levels)."""
+
+
+@dataclass
+class RunConfig:
+    """run.*: mode, length, seed, outputs, logging, checkpoints and resume, placement sharing."""
+
+    mode: str = "async"
+    """async (overlapped loops) | sync (generate a full batch, train, sync, repeat)."""
+    steps: int = 20
+    """Optimizer steps in the RL phase (0..10^7)."""
+    epochs: int = 0
+    """Passes over a finite train split (0..10^6; 0: unbounded, run.steps decides). The run ends after
+    run.steps steps or once this many epochs of prompts were drawn and every full batch they make was
+    trained, whichever comes first; an infinite prompt source never ends an epoch."""
+    seed: int = 0
+    """Global seed."""
+    out_dir: str = "outputs/run"
+    """Metrics (JSONL, TensorBoard), plots and the final HF checkpoint go here."""
+    warm_start_steps: int = 0
+    """Supervised warm-start steps on task demonstrations before RL (reported as such), 0 disables."""
+    warm_start_lr: float = 0.0
+    """Learning rate of the warm-start steps (0: trainer.lr). Supervised steps on demonstrations take
+    a larger rate than RL steps on the policy's own samples."""
+    eval_every: int = 5
+    """Score held-out prompts every this many steps (0 disables)."""
+    progress: bool = True
+    """Show a progress bar."""
+    log_level: str = "warning"
+    """Console level of every process of the run (pipeline/logs.py): debug | info | warning | error.
+    Our loggers and vLLM's follow it (vLLM logs INFO lines at every weight update); at warning and
+    above the benign messages every run prints (pipeline.logs.BENIGN) are dropped too. info shows all."""
+    log_rollouts: int = 2
+    """Trained samples per step written to out_dir/rollouts.jsonl and to TensorBoard as text: prompt,
+    completion, reward, per-token policy versions, staleness (0..1024; 0 writes none)."""
+    wandb: str = "off"
+    """Weights & Biases: off | offline (out_dir/wandb, no network; `wandb sync` uploads it later) |
+    online. Logs the metrics.jsonl scalars and the rollouts as a table; needs `pip install wandb`."""
+    checkpoint_every: int = 0
+    """Save a resumable checkpoint (pipeline/checkpoint.py: trainer, buffer with its held groups,
+    prompt position, RNG, eval curve) as out_dir/checkpoints/step_N every this many steps, and a
+    last one when the run fails or is interrupted; 0 saves none."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept in out_dir/checkpoints, the newest (>= 0; 0 keeps all)."""
+    collapse_entropy: float = 0.05
+    """Collapse warning: the policy's mean token entropy (nats) under this ... (0 disables)."""
+    collapse_length: float = 1.5
+    """... or the mean response length (tokens, EOS included) under this ... (0 disables)."""
+    collapse_patience: int = 20
+    """... for this many steps in a row logs a warning naming the knobs to turn (>= 1)."""
+    resume: str = ""
+    """Continue from a checkpoint (its step + 1 up to run.steps): 'latest' (the newest complete one
+    under out_dir/checkpoints) or a step_N directory, resolved and checked at start-up
+    (pipeline/checkpoint.py prepare_resume). It must match this config's model shape,
+    tokenizer, task.name, buffer.batch_groups and buffer.group_size; other keys take the new value."""
+    allow_shared_cpus: bool = False
+    """Let trainer.cpus, generator.cpus, buffer.cpus and reward_model.cpus overlap (meshes then compete for those cores)."""
+    allow_shared_devices: bool = False
+    """Let trainer.devices and generator.devices overlap (a GPU shared by trainer and generators)."""
+
+    def __post_init__(self) -> None:
+        choice("run.mode", self.mode, ("async", "sync"))
+        check(0 <= self.steps <= 10_000_000, "run.steps", self.steps, "0..10000000")
+        check(0 <= self.epochs <= 1_000_000, "run.epochs", self.epochs, "0..1000000 (0: unbounded)")
+        check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
+        check(0 <= self.warm_start_lr <= 1, "run.warm_start_lr", self.warm_start_lr, "0 (trainer.lr) .. 1")
+        check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
+        check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, ">= 0")
+        check(self.collapse_entropy >= 0, "run.collapse_entropy", self.collapse_entropy, ">= 0 (0: off)")
+        check(self.collapse_length >= 0, "run.collapse_length", self.collapse_length, ">= 0 (0: off)")
+        check(self.collapse_patience >= 1, "run.collapse_patience", self.collapse_patience, ">= 1")
+        check(self.keep_checkpoints >= 0, "run.keep_checkpoints", self.keep_checkpoints, ">= 0 (0 keeps all)")
+        choice("run.log_level", self.log_level, LOG_LEVELS)
+        check(0 <= self.log_rollouts <= 1024, "run.log_rollouts", self.log_rollouts, "0..1024 (0: none)")
+        if self.wandb == "False":  # YAML 1.1 reads a bare `off` as false, which the str field keeps as 'False'
+            self.wandb = "off"
+        choice("run.wandb", self.wandb, ("off", "offline", "online"))
+        check(self.wandb == "off" or importlib.util.find_spec("wandb") is not None, "run.wandb", self.wandb,
+              "'off' unless the wandb package is installed: pip install wandb (or pip install -e '.[wandb]')")

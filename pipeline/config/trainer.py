@@ -1,0 +1,169 @@
+"""trainer.*: the trainer ranks, their optimizer and loss (pipeline/train_core.py), and trainer.lora.*."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pipeline.config.errors import check, choice, id_set
+
+LORA_TARGETS = {"wqkv": "attention.qkv_linear.wqkv", "wo": "attention.wo", "w1": "feed_forward.w1",
+                "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
+"""trainer.lora.targets names -> the torchtitan module path inside a block (pipeline/lora.py adapts them)."""
+
+
+@dataclass
+class LoraConfig:
+    """trainer.lora.*: low-rank adapters instead of full fine-tuning (rank 0: off)."""
+
+    rank: int = 0
+    """LoRA rank r (pipeline/lora.py): 0 trains the full model; 8, 16, 32, 64, 128 or 256 train only
+    low-rank adapters on trainer.lora.targets, push only them, and serve them with vLLM's LoRA."""
+    alpha: float = 16.0
+    """LoRA scale numerator: the adapters add (alpha / rank) B A x (> 0)."""
+    targets: str = "wqkv,wo,w1,w2,w3"
+    """Comma-separated torchtitan projections to adapt: wqkv (fused q/k/v), wo, w1 (gate), w2 (down), w3 (up)."""
+    export_merged: bool = True
+    """Also write out_dir/hf_checkpoint_merged (base + adapters merged) at the end of a run; the
+    adapters are always written as PEFT in out_dir/hf_checkpoint/adapter."""
+
+    def __post_init__(self) -> None:
+        check(self.rank in (0, 8, 16, 32, 64, 128, 256), "trainer.lora.rank", self.rank,
+              "0 (off) or one of 8, 16, 32, 64, 128, 256 (the ranks vLLM serves)")
+        check(self.alpha > 0 and math.isfinite(self.alpha), "trainer.lora.alpha", self.alpha, "> 0")
+        names = [t.strip() for t in self.targets.split(",") if t.strip()]
+        check(bool(names) and set(names) <= set(LORA_TARGETS) and len(set(names)) == len(names), "trainer.lora.targets",
+              self.targets, "comma-separated, each once: " + ", ".join(LORA_TARGETS))
+
+
+@dataclass
+class TrainerConfig:
+    """trainer.*: ranks and parallelism, optimizer, loss and off-policy correction, placement, timeouts."""
+
+    num_ranks: int = 1
+    """Trainer ranks (FSDP2 data-parallel shards), 1..4096."""
+    device: str = "cpu"
+    """cpu | cuda."""
+    backend: str = "gloo"
+    """torch.distributed backend: gloo (CPU) | nccl (GPU)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    tensor_parallel: int = 1
+    """Tensor-parallel degree tp (dividing num_ranks): the ranks form a (num_ranks / tp) x tp mesh,
+    FSDP2 over the first axis, Colwise/Rowwise DTensor sharding of every block's projections and the
+    output head over the second (pipeline/train_core.py). On CPU with gloo and on GPU with nccl."""
+    lr: float = 3e-4
+    """AdamW learning rate (0 < lr <= 1)."""
+    warmup_steps: int = 0
+    """Linear LR warmup, in optimizer steps (>= 0); a batch takes minibatches * epochs of them."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
+    grad_clip: float = 1.0
+    """Max global grad norm (> 0)."""
+    clip_eps: float = 0.2
+    """PPO clip ε (0 < ε < 1)."""
+    dual_clip: float = 3.0
+    """c of dual-clip PPO: for negative-advantage tokens the objective is bounded at c·A, so a
+    token whose ratio has run far above 1 cannot push the loss without limit; 0 disables; otherwise > 1."""
+    minibatches: int = 1
+    """Optimizer steps per batch per epoch: the batch's rows split into this many minibatches
+    (1..1024, at most the batch's sample count buffer.batch_groups * buffer.group_size)."""
+    epochs: int = 1
+    """Passes over the batch (1..100); π_old stays the policy from before the batch's first step."""
+    correction: str = "tis"
+    """Off-policy correction: none | tis | seq_is | mis (masked IS) | mis_balance (multiple IS with the
+    balance heuristic, for consistent rollouts: generator.on_update=drain or run.mode=sync, and
+    generator.carry_over=keep; keeps max_staleness policy snapshots on the trainer) | ppo_is | vanilla_is."""
+    is_cap: float = 2.0
+    """C: truncation cap of TIS / sequence IS (>= 1)."""
+    mis_low: float = 0.5
+    """Masked IS keeps tokens with ratio in [mis_low, mis_high] (0 <= low < 1)."""
+    mis_high: float = 2.0
+    """Upper bound of the masked-IS ratio window (> 1)."""
+    aggregation: str = "token_mean"
+    """Loss aggregation: token_mean | seq_mean."""
+    kl_coef: float = 0.0
+    """KL penalty to the reference policy (>= 0; 0 disables it): the policy after the supervised
+    warm start (run.warm_start_steps), else the initial checkpoint. Holds the policy near a
+    starting point that already behaves, against entropy and length collapse."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss subtracts this times the mean token entropy of π_θ (>= 0). With
+    entropy_target > 0 it is only the starting value of an adaptive coefficient."""
+    entropy_target: float = 0.0
+    """Adaptive entropy bonus (0 disables it): after each step the coefficient moves by
+    entropy_adapt_rate · (entropy_target − the batch's mean entropy), clamped to [0, entropy_coef_max],
+    so it rises only while the policy's entropy is under the target (nats per token)."""
+    entropy_adapt_rate: float = 0.01
+    """Step size of the adaptive entropy coefficient per nat of entropy below/above the target (> 0)."""
+    entropy_coef_max: float = 0.05
+    """Upper bound of the adaptive entropy coefficient (>= entropy_coef)."""
+    kl_estimator: str = "k3"
+    """KL estimator: k1 | k3."""
+    micro_batch_size: int = 0
+    """Samples per forward/backward (0: the whole batch at once)."""
+    grad_variance: bool = False
+    """Estimate the variance of each batch's gradient from its micro-batches (a diagnostic for
+    comparing corrections): the first optimizer step of a batch reports grad/var, the trace of the
+    covariance of the summed gradient, K/(K-1)·(Σ_k ||g_k||² − ||G||²/K) over its K micro-batch
+    gradients g_k (the micro-batches of all data-parallel ranks at one index form a chunk), and
+    grad/var_rel = grad/var / ||G||². Costs a copy of the gradients per micro-batch; needs
+    trainer.micro_batch_size > 0 and at least 2 micro-batches per rank."""
+    cpu_threads: int = 0
+    """torch intra-op threads per rank (0: the size of its trainer.cpus share, or unpinned, the cores
+    it may use // ranks on its host, at least 1)."""
+    cpus: str = ""
+    """Cores for the trainer ranks of a host, cpuset syntax ('0-3', '0,2,4-7'; '' = not pinned, the
+    default), split evenly between them (each rank pinned to its contiguous share, at least one core
+    per rank of a host, checked at start once hosts are known)."""
+    devices: str = ""
+    """GPU ids for the trainer ranks of a host ('0-3', '0,2'; device=cuda only): local rank i runs on
+    the i-th (its CUDA_VISIBLE_DEVICES). '' = the default: local rank i on GPU i. Set with
+    generator.devices when both use GPUs; checked against the host's GPUs when a rank starts."""
+    init_timeout_s: float = 300.0
+    """Seconds the trainer ranks may take to rendezvous and build the model before start fails."""
+    step_timeout_s: float = 600.0
+    """Seconds one trainer call (step, save, load, export, push) may take before it fails."""
+    max_skipped_steps: int = 5
+    """Steps in a row the trainer may skip (non-finite loss or gradient, a batch with no loss
+    tokens; each batch goes back to the buffer as dropped) before the run stops (>= 1)."""
+
+    def __post_init__(self) -> None:
+        check(1 <= self.num_ranks <= 4096, "trainer.num_ranks", self.num_ranks, "1..4096")
+        choice("trainer.device", self.device, ("cpu", "cuda"))
+        choice("trainer.backend", self.backend, ("gloo", "nccl"))
+        check(not (self.device == "cpu" and self.backend == "nccl"), "trainer.backend", self.backend,
+              "'gloo' when trainer.device='cpu'")
+        check(1 <= self.tensor_parallel <= self.num_ranks and self.num_ranks % self.tensor_parallel == 0,
+              "trainer.tensor_parallel", self.tensor_parallel,
+              f"a divisor of trainer.num_ranks={self.num_ranks} (the ranks form a num_ranks/tp x tp mesh)")
+        check(0 < self.lr <= 1, "trainer.lr", self.lr, "0 < lr <= 1")
+        check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, ">= 0")
+        check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
+        check(self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "> 0")
+        check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "0 < eps < 1")
+        check(self.dual_clip == 0 or self.dual_clip > 1, "trainer.dual_clip", self.dual_clip, "0 (off) or > 1")
+        check(1 <= self.minibatches <= 1024, "trainer.minibatches", self.minibatches, "1..1024")
+        check(1 <= self.epochs <= 100, "trainer.epochs", self.epochs, "1..100")
+        choice("trainer.correction", self.correction,
+               ("none", "tis", "seq_is", "mis", "mis_balance", "ppo_is", "vanilla_is"))
+        check(self.is_cap >= 1, "trainer.is_cap", self.is_cap, ">= 1")
+        check(0 <= self.mis_low < 1, "trainer.mis_low", self.mis_low, "0 <= low < 1")
+        check(self.mis_high > 1, "trainer.mis_high", self.mis_high, "> 1")
+        choice("trainer.aggregation", self.aggregation, ("token_mean", "seq_mean"))
+        check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
+        check(self.entropy_coef >= 0, "trainer.entropy_coef", self.entropy_coef, ">= 0")
+        check(self.entropy_target >= 0, "trainer.entropy_target", self.entropy_target, ">= 0 (0: off)")
+        check(self.entropy_adapt_rate > 0, "trainer.entropy_adapt_rate", self.entropy_adapt_rate, "> 0")
+        check(self.entropy_coef_max >= self.entropy_coef, "trainer.entropy_coef_max", self.entropy_coef_max,
+              f">= trainer.entropy_coef ({self.entropy_coef})")
+        choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
+        check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
+        check(not self.grad_variance or self.micro_batch_size > 0, "trainer.micro_batch_size",
+              self.micro_batch_size, "> 0 with trainer.grad_variance (its micro-batches are the chunks)")
+        check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, ">= 0")
+        id_set("trainer.cpus", self.cpus)
+        check(not id_set("trainer.devices", self.devices, "GPU") or self.device == "cuda", "trainer.devices",
+              self.devices, "'' when trainer.device='cpu'")
+        check(self.init_timeout_s > 0, "trainer.init_timeout_s", self.init_timeout_s, "> 0")
+        check(self.step_timeout_s > 0, "trainer.step_timeout_s", self.step_timeout_s, "> 0")
+        check(self.max_skipped_steps >= 1, "trainer.max_skipped_steps", self.max_skipped_steps, ">= 1")
+
