@@ -1,8 +1,8 @@
 """Episodes: one trajectory's life, from an admitted group to the buffer (or back to it).
 
-    admit -> [segment | environment turn]* -> (slot freed) -> reward -> add       (a rollout)
-                                            \-> carried     (a stage end's save: resumed next stage)
-                                            \-> reject / release the group       (a fault of its own)
+    admit -> [segment | environment turn]* -> slot freed -> reward -> add     (a rollout)
+                                                         -> carried           (a stage end's save)
+                                                         -> reject / release  (a fault of its own)
 
 A model turn is one or more segments (vLLM requests): each passes the update gate first, and one
 that an update aborted is submitted again with prompt + tokens so far (UpdateGate.resend). With an
