@@ -75,7 +75,7 @@ class QueueSource(Actor):
 def make_cfg() -> Config:
     return Config(model=ModelConfig(cache_dir=CACHE), generator=GeneratorConfig(
         concurrency=N_PRIME, on_update="keep", carry_over="keep", max_new_tokens=MAX_NEW, ignore_eos=True,
-        temperature=1.0, top_p=1.0, max_model_len=256, start_timeout_s=240, request_timeout_s=120))
+        temperature=1.0, max_model_len=256, start_timeout_s=240, request_timeout_s=120))
 
 
 def ckpt(seed: int):

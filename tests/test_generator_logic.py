@@ -1,5 +1,5 @@
-"""Pure rollout bookkeeping (pipeline/generator/trajectory.py, rewards.py): version spans, input checks, re-prefill, pickling,
-stats (reward rejections and the reject window are tested in tests/test_faults.py)."""
+"""Pure rollout bookkeeping (pipeline/generator/trajectory.py, rewards.py): version spans, input checks,
+re-prefill, pickling, stats (reward rejections and the reject window are tested in tests/test_faults.py)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def bench_cfg(args):
 
     return Config(model=ModelConfig(), generator=GeneratorConfig(
         concurrency=args.concurrency, max_new_tokens=args.max_new, ignore_eos=True, temperature=1.0,
-        top_p=1.0, max_model_len=256, on_update="keep"))
+        max_model_len=256, on_update="keep"))
 
 
 def say(msg: str) -> None:

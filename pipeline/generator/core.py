@@ -131,9 +131,9 @@ class GeneratorCore:
         self.check()
         if not self.scheduler.running:
             return self.scheduler.counts()
-        self._next_stage = self.scheduler.source if resume_on_update else None
         info = await self.scheduler.end(carry_over or self.g.carry_over, timeout_s)
         self.check()
+        self._next_stage = self.scheduler.source if resume_on_update else None
         return info
 
     async def update(self, version: int, load: Callable[[], Awaitable[None]], on_update: str | None = None) -> int:

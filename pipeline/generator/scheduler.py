@@ -57,7 +57,8 @@ class StageScheduler:
 
     def __init__(self, g: GeneratorConfig, generator_id: int, engine: Engine, episodes: Episodes,
                  stats: RolloutStats, fault: Fault):
-        self.g, self.gid, self.engine, self.episodes, self.stats, self.fault = g, generator_id, engine, episodes, stats, fault
+        self.g, self.gid, self.engine, self.episodes = g, generator_id, engine, episodes
+        self.stats, self.fault = stats, fault
         self.state = StageState.IDLE
         self.source: WorkSource | None = None
         self.active: dict[str, Trajectory] = {}  # holding a slot: in the engine, at the gate, in an environment
