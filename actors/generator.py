@@ -13,11 +13,13 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
     await gens.stats.call_one()                                    # version, in-flight, tokens/s, pauses...
     await gens.shutdown.call()                                     # engine.shutdown(): no child left
+    why = await gens.watch.call_one()                              # long-held: returns once it breaks
 
 Finished rollouts (with reward from the task plug-in) go to `buf.add` one at a time; a request
 with bad input is counted in stats()["failed"] and its group is handed back with `buf.release`.
 The order of stage/apply across generators (rolling, collective) is pipeline.weightsync.sync.WeightSync's.
-The logic lives in pipeline/rollout_engine.py; this file only adapts it to Monarch.
+The logic lives in pipeline/generator/ (GeneratorCore, whose docstring holds the state machine);
+this file only adapts it to Monarch.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from pipeline import logs
 from pipeline.config import Config
+from pipeline.generator.core import GeneratorCore
 from pipeline.placement import Placement, apply, generator_placements
 from pipeline.procs import descendants, me
-from pipeline.rollout_engine import RolloutEngine
 from pipeline.types import PromptGroup, Rollout
 
 __all__ = ["GeneratorActor", "MeshSource", "stream_prefix"]
@@ -84,7 +86,7 @@ class GeneratorActor(Actor):
         logs.configure(cfg.run.log_level)  # this proc, and (through VLLM_LOGGING_LEVEL) its engine's
         self.cfg = cfg
         self.incarnation = incarnation  # how many times generator `generator_id` was restarted before this one
-        self.core = RolloutEngine(cfg, generator_id)
+        self.core = GeneratorCore(cfg, generator_id)
         self.receiver = None
 
     @endpoint
@@ -155,7 +157,7 @@ class GeneratorActor(Actor):
             return await self.core.update(
                 version, lambda: self.core.load_lora(self.receiver, version, timeout_s), on_update)
         return await self.core.update(
-            version, lambda: load_into_vllm(self.core.engine, self.receiver, version, timeout_s), on_update)
+            version, lambda: load_into_vllm(self.core.engine.llm, self.receiver, version, timeout_s), on_update)
 
     @endpoint
     async def version(self) -> int:
@@ -164,7 +166,7 @@ class GeneratorActor(Actor):
 
     @concurrent_endpoint  # answers while an update is in progress: the supervisor's probe must not queue
     async def stats(self) -> dict:
-        """version, in_flight, tokens, tokens_per_s, reprefill_tokens, pause_s (per update), failed by reason."""
+        """version, in_flight, tokens, tokens_per_s, reprefill_tokens, pause_s (the last updates'), failed by reason."""
         return self.core.snapshot()
 
     @endpoint
@@ -181,3 +183,9 @@ class GeneratorActor(Actor):
             self.receiver.close()
             self.receiver = None
 
+    @concurrent_endpoint  # long-held: must not hold up (or queue behind) any other call
+    async def watch(self) -> str:
+        """Return the failure's text once this generator breaks (its engine core dies, a generation
+        or admission loop fails, an update or a stage end fails; at once if it is broken already),
+        so a supervisor learns of a failure without polling."""
+        return await self.core.watch()

@@ -290,7 +290,7 @@ def untrack(names: Iterable[str]) -> None:
             resource_tracker.unregister("/" + (name[4:] if sem else name), "semaphore" if sem else "shared_memory")
 
 
-LORA_PREFIX = "mrl-lora-"  # a generator's LoRA adapter directories (RolloutEngine._start_lora): mrl-lora-<pid>-*
+LORA_PREFIX = "mrl-lora-"  # a generator's LoRA adapter directories (generator Engine._start_lora): mrl-lora-<pid>-*
 
 
 def _sweep_lora_dirs() -> list[str]:

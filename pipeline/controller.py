@@ -48,7 +48,7 @@ from pipeline.metrics import MetricsSink, Progress, plot_summary, trained_sample
 from pipeline.model import EOS_ID, PAD_ID, encode_completion, encode_prompt, load_tokenizer, model_dir
 from pipeline.placement import describe, generator_placements
 from pipeline.procs import alive, kill
-from pipeline.rollout import RewardScorer, reject_rate_problem
+from pipeline.generator.rewards import RewardScorer, reject_rate_problem
 from pipeline.tasks import PromptStream, RewardRejected, open_task, take
 from pipeline.trainer.errors import TooManySkippedSteps, skipped_step_error
 from pipeline.weightsync.sync import WeightSync

@@ -15,7 +15,7 @@ chunked: streaming changes when the work is done, never the reward.
 
 A stream is addressed by (seq, offset). A chunk whose offset is not the length of the stream's
 state (a lost message, an evicted or restarted state) drops the state, and `finish` then answers
-None: the caller sends the whole sequence again from offset 0 (pipeline/reward_client.py). At most
+None: the caller sends the whole sequence again from offset 0 (pipeline/generator/reward_client.py). At most
 `max_sequences` states are held; the least recently used goes first. Operations waiting together
 run in as few forwards as possible (`run`): a stream's consecutive chunks are joined, and the next
 chunk of every stream and every whole sequence share one forward of up to `max_batch` sequences,

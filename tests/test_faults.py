@@ -24,7 +24,7 @@ import torch
 
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, Config, ModelConfig, TaskConfig, TrainerConfig
-from pipeline.rollout import REJECT_MIN_SAMPLES, REJECT_WINDOW, RewardScorer, RolloutStats, reject_rate_problem
+from pipeline.generator.rewards import REJECT_MIN_SAMPLES, REJECT_WINDOW, RewardScorer, RolloutStats, reject_rate_problem
 from pipeline.tasks import RewardRejected, Task, check_reward
 from pipeline.trainer.errors import (EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError, TooManySkippedSteps,
                                      skipped_step_error)

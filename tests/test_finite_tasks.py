@@ -224,23 +224,23 @@ def bos_tokenizer_dir(tiny_dir: Path, out: Path) -> Path:
 
 @pytest.mark.parametrize("variant", ["tiny", "adds_bos"])
 def test_generation_and_warm_start_tokenize_a_prompt_the_same_way(tiny_dir, tmp_path, variant):
-    """RolloutEngine._prompt_tokens (the ids vLLM generates from, which the trainer gets back in each
+    """Episodes.prompt_tokens (the ids vLLM generates from, which the trainer gets back in each
     Rollout) and Pipeline.demo_batch (the warm start) must agree, special tokens included; a
     demonstration never gets one. Fails if either path tokenizes on its own."""
     from pipeline.controller import Pipeline
     from pipeline.model import BOS_ID, load_tokenizer
-    from pipeline.rollout_engine import RolloutEngine
+    from pipeline.generator.core import GeneratorCore
 
     hf = tiny_dir if variant == "tiny" else bos_tokenizer_dir(tiny_dir, tmp_path / "bos")
     tok = load_tokenizer(hf)
     cfg = Config(task=TaskConfig(name="pipeline.tasks.jsonl", path=str(CAPITALS), eval_prompts=0))
-    engine, pipe = RolloutEngine(cfg, 0), Pipeline(cfg)
-    engine.tok = pipe.tokenizer = tok
+    core, pipe = GeneratorCore(cfg, 0), Pipeline(cfg)
+    core.engine.tok = pipe.tokenizer = tok
     demo = take(pipe.task, 0, "train", 6)
     ids, mask = pipe.demo_batch(demo)
     for row, m, item in zip(ids.tolist(), mask.tolist(), demo):
         start = m.index(1.0)
-        gen = list(engine._prompt_tokens(item.prompt))
+        gen = list(core.episodes.prompt_tokens(item.prompt))
         assert row[:start] == gen, (variant, item.prompt)
         assert (gen[0] == BOS_ID) == (variant == "adds_bos")  # the tokenizer's own convention
         assert BOS_ID not in row[start:]  # no special token inside the demonstration

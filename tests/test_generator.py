@@ -433,3 +433,22 @@ def test_engine_core_killed_during_a_weight_apply_fails_it_within_seconds(env):
     assert err is not None and "engine" in str(err) and "died" in str(err), err
     assert took < 10, f"the apply failed {took:.1f}s after the engine core died"
     assert "died" in loop.run_until_complete(gen.stats.call_one())["error"]
+
+
+def test_watch_returns_once_the_idle_engine_core_dies(env):
+    """Runs last (after, or instead of, the kill above): a long-held watch, with nothing in flight,
+    returns the failure's text within seconds of the engine core's death, without any other call."""
+    loop, gen, _, _ = env
+
+    async def go() -> tuple[str, float]:
+        watch = asyncio.ensure_future(gen.watch.call_one())
+        cores = [p for p, _ in descendants(os.getpid()) if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        if cores:  # still alive (this test runs alone): the watch must be held until the core dies
+            await asyncio.sleep(1.0)
+            assert not watch.done(), "watch returned while the generator was sound"
+            os.kill(cores[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        return await asyncio.wait_for(watch, 30), time.monotonic() - t0
+
+    text, took = loop.run_until_complete(go())
+    assert "died" in text and took < 10, (text, took)

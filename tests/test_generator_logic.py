@@ -1,5 +1,5 @@
-"""Pure rollout bookkeeping (pipeline/rollout.py): version spans, input checks, re-prefill, pickling,
-stats (reward rejections and the reject window are tested in tests/test_faults.py)."""
+"""Pure rollout bookkeeping (pipeline/generator/trajectory.py, rewards.py): version spans, input checks,
+re-prefill, pickling, stats (reward rejections and the reject window are tested in tests/test_faults.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from pipeline.rollout import RequestError, RolloutStats, Trajectory, check_prompt, check_request, spans_to_versions
+from pipeline.generator.rewards import RolloutStats
+from pipeline.generator.trajectory import RequestError, Trajectory, check_prompt, check_request, spans_to_versions
 from pipeline.types import PromptGroup, PromptItem
 
 
@@ -40,6 +41,7 @@ def test_spans_that_do_not_cover_the_output_raise(spans, n, msg):
     ((5, 0, 1.0, 256), "bad_sampling_params"),
     ((5, 8, -1.0, 256), "bad_sampling_params"),
     ((5, 8, float("nan"), 256), "bad_sampling_params"),
+    ((5, 8, 11.0, 256), "bad_sampling_params"),
 ])
 def test_bad_requests_are_rejected_with_a_reason(args, reason):
     with pytest.raises(RequestError) as e:
@@ -76,7 +78,8 @@ def test_stats_report_failures_by_reason_and_pause_times():
     s = RolloutStats()
     s.fail("empty_prompt", "g1: empty")
     s.fail("empty_prompt", "g2: empty")
-    s.pauses_s += [0.5, 1.5]
+    s.paused(0.5)
+    s.paused(1.5)
     s.reject("reward_nan", "g3 s0: nan")
     s.accept()
     snap = s.snapshot()
@@ -84,3 +87,18 @@ def test_stats_report_failures_by_reason_and_pause_times():
     assert snap["rejected"] == {"reward_nan": 1} and snap["recent_samples"] == 4
     assert snap["recent_rejected_frac"] == 0.75 and snap["recent_top_reason"] == "empty_prompt"
     assert snap["recent_reasons"] == {"empty_prompt": 2, "reward_nan": 1} and snap["errors"][-1] == "g3 s0: nan"
+
+
+def test_stats_snapshot_stays_bounded_over_a_long_run():
+    """pause_s and reward_latency_s are windows of the last RECENT values; updates and the mean pause
+    still cover the whole run."""
+    from pipeline.generator.rewards import RECENT
+
+    s = RolloutStats()
+    for i in range(3 * RECENT):
+        s.paused(1.0 if i < RECENT else 3.0)
+        s.reward_latency_s.append(float(i))
+    snap = s.snapshot()
+    assert snap["updates"] == 3 * RECENT and len(snap["pause_s"]) == RECENT and set(snap["pause_s"]) == {3.0}
+    assert snap["pause_s_mean"] == (1.0 + 2 * 3.0) / 3
+    assert snap["reward_latency_s"] == [float(i) for i in range(2 * RECENT, 3 * RECENT)]

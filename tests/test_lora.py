@@ -101,13 +101,13 @@ def test_config_refuses_lora_with_keep_or_tensor_parallel_and_bad_values():
 def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir, loop, tmp_path):
     """Trainer -> WeightSender (shm) -> WeightReceiver -> load_lora_into_vllm -> vLLM's CPU LoRA:
     prompt logprobs with the served adapter equal the trainer's; the next version replaces it (the
-    previous adapter's directory stays for a request still naming it; RolloutEngine removes it at the
+    previous adapter's directory stays for a request still naming it; the generator's Engine removes it at the
     next update)."""
     from vllm import SamplingParams, TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from pipeline.config import WeightSyncConfig
-    from pipeline.rollout_engine import engine_args, stop_engine
+    from pipeline.generator.engine import engine_args, stop_engine
     from pipeline.weightsync import WeightReceiver, WeightSender, load_lora_into_vllm, vllm_engine_kwargs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts on a real vLLM CPU engine (the tiny model), driven by RolloutEngine in-process.
+"""Multi-turn rollouts on a real vLLM CPU engine (the tiny model), driven by GeneratorCore in-process.
 
 Scripted environments decide the episode (the tiny model's text does not matter to them), so the
 tests check the token flow exactly: what the engine is fed each turn, the layout of the rollout
@@ -22,7 +22,7 @@ import pytest
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, Config, GeneratorConfig, ModelConfig, TaskConfig
 from pipeline.model import EOS_ID, PAD_ID, encode_completion
-from pipeline.rollout_engine import RolloutEngine
+from pipeline.generator.core import GeneratorCore
 from pipeline.tasks import take
 from pipeline.types import ENV_VERSION, PromptGroup, PromptItem
 
@@ -35,7 +35,7 @@ GROUP_IDS = itertools.count()  # unique across tests, as the buffer's are: the e
 
 
 class ListSource:
-    """An in-process work source (pipeline.rollout.WorkSource): admits the groups fed to it."""
+    """An in-process work source (pipeline.generator.trajectory.WorkSource): admits the groups fed to it."""
 
     def __init__(self) -> None:
         self.items: list[PromptItem] = []
@@ -78,16 +78,16 @@ def eng():
                                  env_timeout_s=1.0))
     env_before = dict(os.environ)  # vLLM's CPU platform sets LOCAL_WORLD_SIZE etc. in this process
     loop = asyncio.new_event_loop()
-    e = RolloutEngine(cfg, 0)
+    e = GeneratorCore(cfg, 0)
     loop.run_until_complete(e.start_engine())
     calls: list[list[int]] = []
-    generate = e.engine.generate
+    generate = e.engine.llm.generate
 
     def recording(prompt, sp, request_id):  # what each request is conditioned on, token for token
         calls.append(list(prompt["prompt_token_ids"]))
         return generate(prompt, sp, request_id=request_id)
 
-    e.engine.generate = recording
+    e.engine.llm.generate = recording
     yield loop, e, calls
     loop.run_until_complete(e.close())
     loop.close()
@@ -98,9 +98,9 @@ def eng():
 def run_groups(loop, e, env_factory, n: int, seed: int, timeout_s: float = 90) -> ListSource:
     """Generate `n` calc prompts (GROUP samples each) with environment `env_factory`; wait until all
     are sent or released."""
-    e.task = dataclasses.replace(e.task, env=env_factory)
+    e.episodes.task = dataclasses.replace(e.episodes.task, env=env_factory)
     src = ListSource()
-    src.items = take(e.task, seed, "train", n)
+    src.items = take(e.episodes.task, seed, "train", n)
 
     async def go():
         e.begin_stage(src)
@@ -121,7 +121,7 @@ def test_multi_turn_layout_and_exact_token_flow(eng):
     envs = []
     src = run_groups(loop, e, lambda item: envs.append(Scripted(calls=2)) or envs[-1], n=2, seed=1)
     assert len(src.rollouts) == 2 * GROUP and not src.released
-    obs_ids = encode_completion(e.tok, OBS)
+    obs_ids = encode_completion(e.engine.tok, OBS)
     for r in src.rollouts:
         v = list(r.versions)
         # ignore_eos: each model turn is MAX_NEW sampled tokens; two observations between three turns
@@ -135,7 +135,7 @@ def test_multi_turn_layout_and_exact_token_flow(eng):
         ctx = list(r.prompt_tokens) + toks
         for start in (0, MAX_NEW + len(obs_ids), 2 * (MAX_NEW + len(obs_ids))):
             assert ctx[:len(r.prompt_tokens) + start] in calls
-        assert r.completion == e.tok.decode(toks, skip_special_tokens=True) and OBS in r.completion
+        assert r.completion == e.engine.tok.decode(toks, skip_special_tokens=True) and OBS in r.completion
     # the environment saw each turn but the last (task.max_turns = 3 ends the episode), as text
     assert len(envs) == 2 * GROUP and all(len(env.seen) == 2 for env in envs)
     assert e.snapshot()["turns"] >= 3 * 2 * GROUP
@@ -164,7 +164,7 @@ def test_weight_update_between_two_turns_gives_two_versions_and_staleness(eng):
             go_on.wait(30)
 
     async def relabel() -> None:  # a load that labels the engine with the new version
-        await e.engine.update_weight_version(str(v + 1))
+        await e.engine.llm.update_weight_version(str(v + 1))
 
     async def update_when_parked():
         deadline = time.monotonic() + 60
@@ -174,9 +174,9 @@ def test_weight_update_between_two_turns_gives_two_versions_and_staleness(eng):
         await e.update(v + 1, relabel, "keep")
         go_on.set()
 
-    e.task = dataclasses.replace(e.task, env=lambda item: Scripted(calls=1, hook=hook))
+    e.episodes.task = dataclasses.replace(e.episodes.task, env=lambda item: Scripted(calls=1, hook=hook))
     src = ListSource()
-    src.items = take(e.task, 2, "train", 1)
+    src.items = take(e.episodes.task, 2, "train", 1)
 
     async def go():
         e.begin_stage(src)
@@ -191,7 +191,7 @@ def test_weight_update_between_two_turns_gives_two_versions_and_staleness(eng):
 
     loop.run_until_complete(go())
     assert e.version == v + 1
-    obs = len(encode_completion(e.tok, OBS))
+    obs = len(encode_completion(e.engine.tok, OBS))
     parked = [r for r in src.rollouts if set(r.versions) - {ENV_VERSION} == {v, v + 1}]
     assert parked, [r.versions for r in src.rollouts]
     for r in parked:
@@ -235,7 +235,7 @@ def test_environments_that_raise_hang_or_flood_fail_their_rollout_alone(eng):
     assert flooded and runs and max(runs) == 8, runs  # each observation cut to task.max_obs_tokens
     assert len(set(src.released)) >= 4 and len(src.rollouts) >= 4 * GROUP  # the others went on
     e.check()  # the generator is not broken
-    assert EOS_ID not in encode_completion(e.tok, OBS)
+    assert EOS_ID not in encode_completion(e.engine.tok, OBS)
 
 
 def test_carry_over_save_between_two_turns_resumes_the_episode(eng):
@@ -255,9 +255,9 @@ def test_carry_over_save_between_two_turns_resumes_the_episode(eng):
         envs.append(Scripted(calls=1, hook=hook))
         return envs[-1]
 
-    e.task = dataclasses.replace(e.task, env=factory)
+    e.episodes.task = dataclasses.replace(e.episodes.task, env=factory)
     src = ListSource()
-    src.items = take(e.task, 4, "train", 1)
+    src.items = take(e.episodes.task, 4, "train", 1)
 
     async def go():
         e.begin_stage(src)
@@ -281,7 +281,7 @@ def test_carry_over_save_between_two_turns_resumes_the_episode(eng):
         await e.end_stage(30)
 
     loop.run_until_complete(go())
-    obs = encode_completion(e.tok, OBS)
+    obs = encode_completion(e.engine.tok, OBS)
     for r in src.rollouts:
         toks = list(r.completion_tokens)
         assert list(r.versions).count(ENV_VERSION) == len(obs) and toks[MAX_NEW:MAX_NEW + len(obs)] == obs
@@ -297,23 +297,23 @@ def test_streaming_reward_model_scores_each_rollout_as_its_whole_token_sequence(
     from monarch.actor import this_host
 
     from actors.reward_model import RewardModelActor
-    from pipeline.reward_client import RewardModelClient
+    from pipeline.generator.reward_client import RewardModelClient
     from pipeline.reward_model import StreamingScorer, init_scorer
 
     loop, e, _ = eng
     path = init_scorer(tiny_dir, tmp_path / "scorer", seed=2)
-    cfg0 = e.cfg
-    e.cfg = dataclasses.replace(cfg0, reward_model=dataclasses.replace(cfg0.reward_model, path=str(path),
+    cfg0 = e.episodes.cfg
+    e.episodes.cfg = dataclasses.replace(cfg0, reward_model=dataclasses.replace(cfg0.reward_model, path=str(path),
                                                                       chunk_tokens=3, task_weight=0.0, weight=2.0))
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
-        rm = procs.spawn("rm_mt", RewardModelActor, e.cfg, 0)
+        rm = procs.spawn("rm_mt", RewardModelActor, e.episodes.cfg, 0)
         loop.run_until_complete(asyncio.wait_for(rm.setup.call_one(), 120))
-        e.rm = RewardModelClient(rm, 3, 30.0, "g0r0/")
+        e.episodes.rm = RewardModelClient(rm, 3, 30.0, "g0r0/")
         src = run_groups(loop, e, lambda item: Scripted(calls=1), n=2, seed=4)
         stats = loop.run_until_complete(asyncio.wait_for(rm.stats.call_one(), 30))
     finally:
-        e.rm, e.cfg = None, cfg0
+        e.episodes.rm, e.episodes.cfg = None, cfg0
         loop.run_until_complete(asyncio.wait_for(procs.stop(), 30))
     scorer = StreamingScorer(path)
     assert len(src.rollouts) == 2 * GROUP and not src.released

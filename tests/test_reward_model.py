@@ -1,4 +1,4 @@
-"""The reward model (pipeline/reward_model.py, actors/reward_model.py, pipeline/reward_client.py):
+"""The reward model (pipeline/reward_model.py, actors/reward_model.py, pipeline/generator/reward_client.py):
 streamed scores equal whole-sequence scores (and HF's own classifier forward), the actor on a real
 Monarch proc with the generators' client, its faults (timeout, a sequence it cannot score, a killed
 actor and its successor), config checks, and a short CLI run whose reward model is SIGKILLed.
@@ -200,7 +200,7 @@ def rm_mesh(scorer_dir, loop):
 
 
 def test_client_streams_chunks_to_the_actor_and_gets_the_whole_sequence_score(rm_mesh, scorer, loop):
-    from pipeline.reward_client import RewardModelClient
+    from pipeline.generator.reward_client import RewardModelClient
 
     async def go():
         rm, _ = await rm_mesh()
@@ -224,7 +224,7 @@ def test_client_streams_chunks_to_the_actor_and_gets_the_whole_sequence_score(rm
 
 
 def test_reward_model_faults_fail_the_sample_alone_and_a_killed_actor_is_replaced(rm_mesh, scorer, loop):
-    from pipeline.reward_client import RewardModelClient
+    from pipeline.generator.reward_client import RewardModelClient
 
     seq = seqs(1, 30, 30, seed=11)[0]
 

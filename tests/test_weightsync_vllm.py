@@ -15,7 +15,7 @@ import torch
 
 from pipeline.config import WeightSyncConfig
 from pipeline.model import build_model, export_hf, load_tokenizer, token_logprobs
-from pipeline.rollout_engine import stop_engine
+from pipeline.generator.engine import stop_engine
 from pipeline.weightsync import (VersionRegressionError, WeightLoadError, WeightReceiver, WeightSender,
                                  load_into_vllm, vllm_engine_kwargs)
 from pipeline.weightsync.load import INVALID_PREFIX

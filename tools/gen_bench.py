@@ -85,7 +85,7 @@ async def run_bare(cfg, items: list[PromptItem], group: int, rounds: int) -> lis
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from pipeline.model import encode_prompt, load_tokenizer, model_dir
-    from pipeline.rollout_engine import engine_args, stop_engine
+    from pipeline.generator.engine import engine_args, stop_engine
 
     hf_dir = model_dir(cfg.model)
     tok = load_tokenizer(hf_dir)

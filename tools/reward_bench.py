@@ -3,9 +3,9 @@
     .venv/bin/python tools/reward_bench.py                      # chunks 0 (score at end), 8, 16, 32, 64
     .venv/bin/python tools/reward_bench.py --chunks 0,16 --waves 3 --tokens 96 --quick
 
-The real path of a run: a RolloutEngine (vLLM AsyncLLM on the tiny policy) generates waves of
+The real path of a run: a GeneratorCore (vLLM AsyncLLM on the tiny policy) generates waves of
 --groups prompt groups, and each finished rollout is scored by a reward model on its own Monarch
-proc through the generators' client (pipeline/reward_client.py). With chunk size c > 0 the tokens
+proc through the generators' client (pipeline/generator/reward_client.py). With chunk size c > 0 the tokens
 go to the reward model as they are sampled, c at a time, and are prefilled there on the sequence's
 cache; with c = 0 the whole sequence is prefilled after EOS. The reward model is a scorer larger
 than the policy (--rm-dim, --rm-layers; random weights: only its cost matters here), so its
@@ -80,7 +80,7 @@ async def bench(args, out: Path) -> list[dict]:
     import transformers
 
     from actors.reward_model import RewardModelActor
-    from pipeline.rollout_engine import RolloutEngine
+    from pipeline.generator.core import GeneratorCore
     from pipeline.tasks import take
 
     from pipeline import logs
@@ -104,15 +104,15 @@ async def bench(args, out: Path) -> list[dict]:
         info = await asyncio.wait_for(rm.setup.call_one(), 300)
         print(f"reward model {rm_path.name} on core {rm_core} (loaded in {info['load_s']:.1f}s); "
               f"policy engine on core {gen_core}", flush=True)
-        eng = RolloutEngine(cfg, 0)
+        eng = GeneratorCore(cfg, 0)
         await eng.start_engine()
         eng.attach_reward_model(rm, "bench/")
-        items = take(eng.task, 0, "train", 10_000)
+        items = take(eng.episodes.task, 0, "train", 10_000)
         total = args.repeats * len(args.chunks) * (args.waves + 1)
         k = 0
         for rep in range(args.repeats):
             for c in (args.chunks if rep % 2 == 0 else list(reversed(args.chunks))):
-                eng.rm.chunk = c  # one engine for every mode (a start each would cost 15-45 s): set per block
+                eng.episodes.rm.chunk = c  # one engine for every mode (a start each would cost 15-45 s): set per block
                 for w in range(args.waves + 1):  # the first wave of each block warms up and is not kept
                     k += 1
                     src = WaveSource(items[:args.groups], args.group_size)

@@ -152,7 +152,7 @@ class BenchReceiver(Actor):
     @endpoint
     async def stop_engine(self) -> None:
         if self.engine is not None:
-            from pipeline.rollout_engine import stop_engine
+            from pipeline.generator.engine import stop_engine
 
             stop_engine(self.engine)
             self.engine = None

@@ -5,14 +5,14 @@ A task is any importable module (or object) named in config by dotted path (`tas
     def prompts(seed: int, split: str) -> Iterable[PromptItem]   # split: "train" | "eval"
     def reward(prompt: str, completion: str) -> float           # in [0, 1], partial credit allowed
     def demonstration(item: PromptItem) -> str                  # optional: the ideal completion
-    def env(item: PromptItem) -> Env                             # optional: multi-turn (pipeline/envs.py)
+    def env(item: PromptItem) -> Env                             # optional: multi-turn (pipeline/generator/envs.py)
 
 so a user's task lives outside this repository. A task that needs its config (a data file, say)
 provides instead a factory `from_config(cfg: TaskConfig)` returning the object with those functions
 (pipeline/tasks/jsonl.py); `load_task` calls it with the run's `task` section. `load_task` checks the
 contract and fails with a message naming what is missing. `Task.reward` checks each answer: a reward
 that raises, is not a real number (a str like "0.5" or a bool is not; int, float and numpy scalars
-are) or is NaN/inf raises RewardRejected with the reason it is counted under (pipeline/rollout.py
+are) or is NaN/inf raises RewardRejected with the reason it is counted under (pipeline/generator/rewards.py
 runs it off the event loop with a timeout, which adds reward_timeout).
 
 Finite and infinite prompt sources. `prompts(seed, split)` may never end (a generator of synthetic

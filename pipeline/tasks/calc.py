@@ -14,7 +14,7 @@ Reward: the digit credit of the arithmetic task (pipeline/tasks/arith.py) for th
 text after the last observation. Two-digit times one-digit products are beyond what the tiny model
 computes, so the reward rises by learning to call the tool and copy its result. The demonstration
 (the warm start) is the bare call. Limits come from task.max_turns and task.max_total_tokens
-(pipeline/envs.py).
+(pipeline/generator/envs.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def calculate(expr: str) -> str:
 
 
 class Calculator:
-    """The environment of one rollout (pipeline/envs.py)."""
+    """The environment of one rollout (pipeline/generator/envs.py)."""
 
     def __init__(self, item: PromptItem) -> None:
         self.item = item

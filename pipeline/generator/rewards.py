@@ -1,19 +1,5 @@
-"""Engine-side rollout bookkeeping, free of vLLM and Monarch: trajectories, input checks, rewards, stats.
-
-A `Trajectory` is one sample (group_id, sample_idx) of an admitted PromptGroup. It is generated in
-one or more *segments* (vLLM requests): a weight update under `abort`, or a stage end under
-`carry_over=save`, ends a segment early, and the next segment is submitted with prompt + all tokens
-so far, so generation resumes conditioned on exactly those tokens. Each segment appends its tokens,
-behaviour logprobs and per-token versions; older tokens never change.
-
-Per-token versions come from the engine itself: vLLM labels every engine step with the weight
-version it ran (`update_weight_version`) and returns, for a finished request, the spans
-`[start, end) -> version` of its output tokens (`CompletionOutput.weight_versions`). That is exact
-even for tokens sampled just before a pause whose outputs reach the client after it.
-
-    traj = Trajectory.new(group, sample_idx, prompt_tokens)
-    traj.extend(token_ids, logprobs, spans_to_versions(spans, len(token_ids)))
-    rollout = traj.to_rollout(completion_text, finish_reason, reward, generator_id)
+"""Rewards and counters of a generator: RewardScorer (a task's reward or environment calls, off the
+event loop), RolloutStats (what `stats()` reports) and the reject-rate rule that ends a run.
 
 Faults stay local. A prompt that is empty, too long or cannot be tokenised fails its group
 (`RolloutStats.fail`, counted in "failed"); a reward that raises, is not a number, is NaN/inf or
@@ -21,147 +7,36 @@ runs past task.reward_timeout_s (`RewardScorer`) rejects its sample and so its g
 (`RolloutStats.reject`, counted in "rejected"). Both go into a window of the last REJECT_WINDOW
 finished samples; `reject_rate_problem` turns a rejected fraction above task.max_reject_frac
 (once REJECT_MIN_SAMPLES were seen) into the message that ends the run.
+
+Contract: a snapshot has a bounded size whatever the run's length: per-update pause times and
+per-sample reward latencies are windows of the last RECENT values (with a running count and mean
+over the whole run for the pauses); counters grow, lists do not.
+
+Example:
+    scorer = RewardScorer(task, timeout_s=30.0, workers=4)
+    reward = await scorer.score(prompt, completion)     # float, or RewardRejected with a reason
+    stats = RolloutStats()
+    stats.accept(); stats.paused(0.4); stats.reward_latency_s.append(0.02)
+    problem = reject_rate_problem(stats.snapshot(), max_frac=0.5)   # None, or why the run must end
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
 
 from pipeline.tasks import RewardRejected, Task
-from pipeline.types import ENV_VERSION, PromptGroup, Rollout
 
-__all__ = ["RequestError", "Trajectory", "RolloutStats", "RewardScorer", "WorkSource", "spans_to_versions",
-           "check_prompt", "check_request", "reject_rate_problem", "REJECT_WINDOW", "REJECT_MIN_SAMPLES"]
+__all__ = ["RewardScorer", "RolloutStats", "reject_rate_problem", "REJECT_WINDOW", "REJECT_MIN_SAMPLES", "RECENT"]
 
 REJECT_WINDOW = 200  # finished samples per generator the reject rate is measured over
 REJECT_MIN_SAMPLES = 20  # the rate is judged only once this many were seen
 LOGGED_REJECTS = 5  # the first rejected samples of a generator are logged with prompt and completion
-
-
-class RequestError(ValueError):
-    """One request cannot be served (bad input); `reason` is a short key used for counting."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(f"{reason}: {message}")
-        self.reason, self.message = reason, message
-
-    def __reduce__(self):  # crosses actor boundaries: pickle with both arguments
-        return (type(self), (self.reason, self.message))
-
-
-class WorkSource(Protocol):
-    """Where prompt groups come from and rollouts go (the replay buffer's endpoints in production)."""
-
-    async def admit(self, wait_s: float) -> PromptGroup | None: ...
-
-    async def add(self, rollout: Rollout) -> None: ...
-
-    async def release(self, group_id: int) -> bool: ...
-
-
-def check_prompt(prompt_len: int, max_model_len: int) -> None:
-    """Raise RequestError for a prompt vLLM must never see: empty, or leaving no room to generate."""
-    if prompt_len == 0:
-        raise RequestError("empty_prompt", "prompt has no tokens")
-    if prompt_len >= max_model_len:
-        raise RequestError("prompt_too_long", f"prompt has {prompt_len} tokens; the context holds {max_model_len} "
-                                              "and at least one must be left for the completion")
-
-
-def check_request(prompt_len: int, max_tokens: int, temperature: float, max_model_len: int) -> None:
-    """Raise RequestError for input vLLM must never see: empty or over-long prompt, bad sampling values."""
-    check_prompt(prompt_len, max_model_len)
-    if not (isinstance(max_tokens, int) and max_tokens >= 1):
-        raise RequestError("bad_sampling_params", f"max_tokens={max_tokens!r}; allowed: integer >= 1")
-    if not (math.isfinite(temperature) and 0 <= temperature <= 10):
-        raise RequestError("bad_sampling_params", f"temperature={temperature!r}; allowed: 0 <= t <= 10")
-
-
-def spans_to_versions(spans: Iterable | None, num_tokens: int) -> list[int]:
-    """Per-token versions from vLLM's WeightVersionSpan list (`version`, `start`, `end`) of one request."""
-    if num_tokens == 0:
-        return []
-    if spans is None:
-        raise RuntimeError(f"vLLM returned {num_tokens} tokens without weight-version spans; "
-                           "the engine's weight version was never set")
-    out: list[int] = []
-    for s in spans:
-        if s.start != len(out) or s.end < s.start:
-            raise RuntimeError(f"vLLM weight-version spans are not contiguous: {list(spans)}")
-        out.extend([int(s.version)] * (s.end - s.start))
-    if len(out) != num_tokens:
-        raise RuntimeError(f"vLLM weight-version spans cover {len(out)} tokens, the output has {num_tokens}")
-    return out
-
-
-@dataclass
-class Trajectory:
-    """A sample being generated, possibly across several segments and weight versions."""
-
-    group: PromptGroup
-    sample_idx: int
-    prompt_tokens: tuple[int, ...]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    segments: int = 0
-    reprefill_tokens: int = 0
-    started_at: float = field(default_factory=time.monotonic)
-    env: object = None  # multi-turn: this rollout's environment (pipeline/envs.py), made before turn 1
-    turns: int = 0  # model turns finished
-    turn_start: int = 0  # index in `tokens` where the current model turn began
-
-    @property
-    def key(self) -> str:
-        return f"g{self.group.group_id}-s{self.sample_idx}"
-
-    def context(self) -> list[int]:
-        """What the next segment is conditioned on: the prompt and every token generated so far."""
-        return list(self.prompt_tokens) + self.tokens
-
-    def begin_segment(self) -> None:
-        """Count a resubmission's re-prefill (the earlier tokens are processed again): a segment that
-        continues a turn cut short (an abort, a carried-over partial), not a multi-turn rollout's
-        next turn, whose context is what any multi-turn engine processes."""
-        if self.segments > 0 and self.turn_tokens():
-            self.reprefill_tokens += len(self.prompt_tokens) + len(self.tokens)
-        self.segments += 1
-
-    def extend(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        if not (len(token_ids) == len(logprobs) == len(versions)):
-            raise RuntimeError(f"{self.key}: segment has {len(token_ids)} tokens, {len(logprobs)} logprobs, "
-                               f"{len(versions)} versions")
-        self.tokens.extend(token_ids)
-        self.logprobs.extend(logprobs)
-        self.versions.extend(versions)
-
-    def turn_tokens(self) -> list[int]:
-        """The current model turn's tokens so far."""
-        return self.tokens[self.turn_start:]
-
-    def extend_env(self, token_ids: list[int]) -> None:
-        """Append an environment observation (not sampled: version ENV_VERSION, logprob 0) and start
-        the next model turn after it."""
-        self.tokens.extend(token_ids)
-        self.logprobs.extend([0.0] * len(token_ids))
-        self.versions.extend([ENV_VERSION] * len(token_ids))
-        self.turn_start = len(self.tokens)
-
-    def to_rollout(self, completion: str, finish_reason: str, reward: float, generator_id: int) -> Rollout:
-        r = Rollout(group_id=self.group.group_id, sample_idx=self.sample_idx, prompt=self.group.item.prompt,
-                    prompt_tokens=self.prompt_tokens, completion=completion, completion_tokens=tuple(self.tokens),
-                    logprobs=tuple(self.logprobs), versions=tuple(self.versions), finish_reason=finish_reason,
-                    reward=reward, generator_id=generator_id, reprefill_tokens=self.reprefill_tokens,
-                    started_at=self.started_at, finished_at=time.monotonic())
-        r.validate()
-        return r
+RECENT = 256  # pause times and reward latencies a snapshot carries (the most recent ones)
 
 
 class RewardScorer:
@@ -255,7 +130,9 @@ class RolloutStats:
     carried_samples: int = 0
     carried_tokens: int = 0
     busy_s: float = 0.0
-    pauses_s: list[float] = field(default_factory=list)
+    updates: int = 0  # weight updates applied
+    pause_total_s: float = 0.0  # their pauses, summed over the run
+    pauses_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # the last pauses (seconds)
     turns: int = 0  # model turns of finished multi-turn rollouts
     obs_truncated: int = 0  # environment observations cut to task.max_obs_tokens
     failed: Counter = field(default_factory=Counter)  # bad requests (prompts) by reason
@@ -263,7 +140,7 @@ class RolloutStats:
     eval_skipped: Counter = field(default_factory=Counter)  # eval prompts skipped, by reason
     errors: deque = field(default_factory=lambda: deque(maxlen=20))
     recent: deque = field(default_factory=lambda: deque(maxlen=REJECT_WINDOW))  # reason, or None if accepted
-    reward_latency_s: deque = field(default_factory=lambda: deque(maxlen=512))  # EOS -> reward, recent samples
+    reward_latency_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # EOS -> reward, recent samples
     _busy_since: float | None = None
 
     def running(self, on: bool) -> None:
@@ -273,6 +150,12 @@ class RolloutStats:
         elif not on and self._busy_since is not None:
             self.busy_s += now - self._busy_since
             self._busy_since = None
+
+    def paused(self, seconds: float) -> None:
+        """A weight update paused generation for `seconds`."""
+        self.updates += 1
+        self.pause_total_s += seconds
+        self.pauses_s.append(seconds)
 
     def fail(self, reason: str, message: str) -> None:
         """A request that could not be served (its group is given back)."""
@@ -309,9 +192,9 @@ class RolloutStats:
             "carried_tokens": self.carried_tokens,
             "turns": self.turns,
             "obs_truncated": self.obs_truncated,
-            "updates": len(self.pauses_s),
-            "pause_s": list(self.pauses_s),
-            "pause_s_mean": sum(self.pauses_s) / len(self.pauses_s) if self.pauses_s else 0.0,
+            "updates": self.updates,
+            "pause_s": list(self.pauses_s),  # the last RECENT updates
+            "pause_s_mean": self.pause_total_s / self.updates if self.updates else 0.0,
             "failed": dict(self.failed),
             "rejected": dict(self.rejected),
             "eval_skipped": dict(self.eval_skipped),
@@ -320,5 +203,5 @@ class RolloutStats:
             "recent_rejected_frac": sum(reasons.values()) / len(self.recent) if self.recent else 0.0,
             "recent_reasons": dict(reasons),
             "recent_top_reason": reasons.most_common(1)[0][0] if reasons else None,
-            "reward_latency_s": list(self.reward_latency_s),
+            "reward_latency_s": list(self.reward_latency_s),  # the last RECENT samples
         }

@@ -1,5 +1,10 @@
 """RewardModelClient: a generator's side of the reward model (actors/reward_model.py).
 
+Contract: `feed` never blocks the decoding loop (chunks are fire-and-forget); `finish` is the only
+call that waits, bounded by reward_model.timeout_s; every stream ends in exactly one `finish` or
+`release` (the episode releases whatever it does not finish).
+
+Example:
     rm = RewardModelClient(handle, chunk_tokens=16, timeout_s=30.0, prefix="g0r0/")
     rm.feed(key, context, new_ids)       # while decoding: sends a chunk once chunk_tokens new tokens wait
     score = await rm.finish(key, tokens) # after EOS: the rest, then the score (RewardRejected on failure)

@@ -12,7 +12,7 @@ A task becomes multi-turn with an environment factory, its own `env` or any dott
             # episode ends. A tool error should come back as an observation ("error: ..."), which
             # the model sees and can learn from; an exception fails the rollout instead.
 
-Layout and token flow (pipeline/rollout_engine.py drives it). The completion of a multi-turn rollout
+Layout and token flow (pipeline/generator/episode.py drives it). The completion of a multi-turn rollout
 is `turn_1 obs_1 turn_2 obs_2 ... turn_k`: model tokens carry their behaviour logprobs and per-token
 versions, observation tokens version ENV_VERSION (-1) and logprob 0, so the buffer leaves them out of
 the loss and of staleness. Token in, token out: each turn is generated from the exact token sequence
@@ -33,6 +33,15 @@ Weight updates between or within turns behave as for single-turn rollouts: keep,
 apply to the turn in flight, `carry_over=save` keeps the whole trajectory (environment included) and
 resumes its current turn first; a rollout whose turns ran on two versions carries both, and its
 staleness is the oldest model token's.
+
+Example:
+    class Echo:                                # ends the episode after one observation
+        def __init__(self, item): self.left = 1
+        def step(self, turn: str) -> str | None:
+            self.left -= 1
+            return f"you said {turn!r};" if self.left >= 0 else None
+
+    def env(item: PromptItem) -> Env: return Echo(item)   # task.env = "mytask.env"
 """
 
 from __future__ import annotations

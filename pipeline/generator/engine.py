@@ -1,0 +1,275 @@
+"""Engine: one generator's vLLM AsyncLLM: start, bounded control calls, LoRA adapters, stop; and the
+generator's broken state (`Fault`), which every role trips and every endpoint checks.
+
+Contract:
+  * `start` builds the engine (bounded by generator.start_timeout_s), labels its steps with the
+    starting version and, with trainer.lora, loads the adapter the export carries.
+  * Every control call (pause, resume, abort, version label, weight load) goes through `control`:
+    bounded by its timeout, and failed at once when the engine core dies meanwhile (a call to a dead
+    core never returns). The core's death is an event (its process sentinel), not a poll; it trips
+    the generator's Fault at once, so a supervisor's `watch` learns of it with nothing in flight.
+  * `requests` holds the training requests now in the engine (trajectory key -> request id); an
+    abort that must reach all of them (a stage end's save, an update's late LoRA abort) takes them
+    from here. Eval requests are not in it.
+  * `stop` forgets the core's death first (the stop kills it), then kills core and worker outright
+    (`stop_engine`) and removes this engine's adapter directory.
+
+Example:
+    fault = Fault(generator_id=0)
+    eng = Engine(cfg, 0, fault)
+    await eng.start(vllm_engine_kwargs(), version=0)     # AsyncLLM on model_dir(cfg.model)
+    await eng.control(eng.llm.resume_generation(), "resume")
+    await eng.load_lora(receiver, 3, timeout_s=60)        # trainer.lora: v3's adapter is served
+    await eng.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+from pipeline import cleanup, procs
+from pipeline.config import Config
+from pipeline.lora import remove_dir
+from pipeline.model import load_tokenizer, model_dir
+from pipeline.weightsync import load_lora_into_vllm
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Engine", "Fault", "GeneratorBroken", "engine_args", "stop_engine"]
+
+
+class GeneratorBroken(RuntimeError):
+    """The generator cannot serve any more (failed weight load, dead engine, failed loop)."""
+
+
+class Fault:
+    """A generator's broken state, a latch: the first `trip` wins and is logged; later ones are
+    ignored. Every endpoint calls `check`; `wait` returns the failure's text once tripped (a
+    supervisor's long-held watch). Listeners (`on_trip`) run at each trip, on the event loop.
+
+    Example:
+        fault = Fault(0)
+        fault.on_trip(wake.set)                  # a loop that must stop when the generator breaks
+        fault.trip(RuntimeError("engine died"))
+        text = await fault.wait()                # "engine died"
+        fault.check()                            # raises GeneratorBroken
+    """
+
+    def __init__(self, generator_id: int) -> None:
+        self.gid = generator_id
+        self.error: BaseException | None = None
+        self._tripped = asyncio.Event()
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def tripped(self) -> bool:
+        return self.error is not None
+
+    def on_trip(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def trip(self, err: BaseException) -> None:
+        if self.error is None:
+            log.error("generator %d broken: %s", self.gid, err)
+            self.error = err
+            self._tripped.set()
+        for listener in self._listeners:
+            listener()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise GeneratorBroken(f"generator {self.gid} is broken: {self.error}") from self.error
+
+    async def wait(self) -> str:
+        await self._tripped.wait()
+        return str(self.error)
+
+
+def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
+    """AsyncEngineArgs for one generator engine; CPU and GPU differ only in these fields."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    g = cfg.generator
+    kw = dict(model=str(hf_dir), tokenizer=str(hf_dir), dtype=cfg.model.dtype, seed=seed,
+              tensor_parallel_size=g.tensor_parallel_size, max_model_len=g.max_model_len,
+              max_num_seqs=max(g.concurrency, 8), logprobs_mode=f"{g.logprobs_mode}_logprobs",
+              enable_prefix_caching=g.on_update != "keep", enforce_eager=g.engine == "vllm-cpu",
+              use_tqdm_on_load=cfg.run.log_level in ("debug", "info"))  # a progress bar per engine start
+    if g.engine == "vllm":
+        kw["gpu_memory_utilization"] = g.gpu_memory_utilization
+    if cfg.trainer.lora.rank:  # every version is an adapter of its own (pipeline/lora.py); two live at a switch
+        kw.update(enable_lora=True, max_lora_rank=cfg.trainer.lora.rank, max_loras=2, max_cpu_loras=2)
+    kw.update(extra or {})
+    return AsyncEngineArgs(**kw)
+
+
+def _core_processes(llm) -> list:
+    """The engine core processes vLLM started for `llm` (multiprocessing.Process objects)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return list(getattr(getattr(resources, "engine_manager", None), "processes", []))
+
+
+def stop_engine(engine) -> None:
+    """Stop a vLLM AsyncLLM at once (call it off the engine's event loop, or with that loop idle). Its
+    output handler is cancelled first; its core and worker hold nothing to flush, so they are killed
+    outright instead of vLLM's graceful stop (SIGTERM, then up to 5 s for the core and more for its
+    worker: most of a run's shutdown); the shared-memory queues they held are unlinked once nobody
+    maps them, as vLLM's own exit would, and this process's resource tracker forgets them."""
+    handler = getattr(engine, "output_handler", None)  # would log the killed core as a failure
+    if handler is not None and not handler.done() and not handler.get_loop().is_closed():
+        loop = handler.get_loop()
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or not loop.is_running():  # the cancellation runs once the loop does
+            handler.cancel()
+        else:  # called off the loop (asyncio.to_thread): the loop runs the cancellation now
+            loop.call_soon_threadsafe(handler.cancel)
+            deadline = time.monotonic() + 2.0
+            while not handler.done() and time.monotonic() < deadline:
+                time.sleep(0.005)  # another thread's loop: nothing here to await
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    # live children of this process only: a core that died was reaped by vLLM, and its pid may be reused
+    cores = [p.pid for p in _core_processes(engine)
+             if getattr(p, "pid", None) and p.exitcode is None and procs.parent(p.pid) == os.getpid()]
+    if resources is not None:  # vLLM's liveness monitor then takes the kill for a shutdown, not a crash
+        resources.engine_dead = True
+    tree = [(pid, st) for pid in cores if (st := procs.start_time(pid)) is not None]
+    tree += [d for pid, _ in tree for d in procs.descendants(pid)]
+    held = cleanup.held_by(pid for pid, _ in tree)
+    procs.kill(tree)
+    deadline = time.monotonic() + 5.0  # a killed process holds its mappings until it exits
+    while any(procs.alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.02)  # other processes' exits: no event to wait on from this thread
+    engine.shutdown()
+    cleanup.untrack(cleanup.unlink_orphaned(held))
+
+
+class Engine:
+    """See the module docstring. `llm` is the AsyncLLM (None before `start` and after `stop`), `tok`
+    its tokenizer; `lora_request` the served version's adapter with trainer.lora."""
+
+    def __init__(self, cfg: Config, generator_id: int, fault: Fault):
+        self.cfg, self.g, self.gid, self.fault = cfg, cfg.generator, generator_id, fault
+        self.llm = None
+        self.tok = None
+        self.requests: dict[str, str] = {}  # training trajectory key -> its request id in the engine
+        self.lora_request = None  # with trainer.lora: the adapter of the served version, on every request
+        self.lora_dir: str | None = None  # where this engine's adapters are written (tmpfs), removed at stop
+        self._lora_old: list[str] = []  # directories of replaced adapters not yet removed
+        self._died: asyncio.Future | None = None  # resolved when an engine core process exits
+        self._watched: list[int] = []  # our own copies of the core processes' sentinels
+
+    async def start(self, extra_engine_kwargs: dict | None, version: int) -> dict:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        hf_dir = model_dir(self.cfg.model)
+        if self.g.engine == "vllm-cpu":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.g.kv_cache_gib)
+        args = engine_args(self.cfg, hf_dir, self.cfg.run.seed + self.gid, extra_engine_kwargs)
+        t0 = time.monotonic()
+        try:  # the constructor blocks while the engine-core process starts
+            self.llm = await asyncio.wait_for(asyncio.to_thread(AsyncLLM.from_engine_args, args),
+                                              self.g.start_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"generator {self.gid}: vLLM engine did not start within "
+                               f"{self.g.start_timeout_s:.0f}s (generator.start_timeout_s)") from None
+        self._watch_cores()
+        if self.cfg.trainer.lora.rank:
+            await self._start_lora(hf_dir, version)
+        await self.llm.update_weight_version(str(version))
+        self.tok = load_tokenizer(hf_dir)
+        return {"generator_id": self.gid, "hf_dir": str(hf_dir), "start_s": time.monotonic() - t0}
+
+    def _watch_cores(self) -> None:
+        """A core's sentinel becomes readable when it exits; the loop calls `_core_died` then. Our own
+        copy of each descriptor, so vLLM closing its own can never leave a stale one in the selector."""
+        loop = asyncio.get_running_loop()
+        self._died = loop.create_future()
+        for p in _core_processes(self.llm):
+            fd = os.dup(p.sentinel)
+            self._watched.append(fd)
+            loop.add_reader(fd, self._core_died, p)
+
+    def _unwatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd in self._watched:
+            loop.remove_reader(fd)
+            os.close(fd)
+        self._watched = []
+
+    def _core_died(self, proc) -> None:
+        self._unwatch()
+        if not self._died.done():
+            self._died.set_result(None)
+        self.fault.trip(RuntimeError(f"the vLLM engine core died (pid {proc.pid}, exit code {proc.exitcode})"))
+
+    async def control(self, aw, what: str, timeout_s: float | None = None, key: str = "generator.call_timeout_s"):
+        """An engine call (pause, resume, abort, version label, weight load), bounded by timeout_s
+        (default generator.call_timeout_s); fails at once when the engine core dies meanwhile (such
+        a call never returns)."""
+        call = asyncio.ensure_future(aw)
+        timeout_s = self.g.call_timeout_s if timeout_s is None else timeout_s
+        await asyncio.wait({call, self._died}, timeout=None if math.isinf(timeout_s) else timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if call.done():
+            return call.result()
+        call.cancel()
+        if self._died.done():
+            raise GeneratorBroken(f"generator {self.gid}: engine {what}: the vLLM engine core died")
+        raise TimeoutError(f"generator {self.gid}: engine {what} did not answer within {timeout_s:.0f}s ({key})")
+
+    async def abort_requests(self) -> None:
+        """Abort every training request now in the engine (each returns what it sampled so far)."""
+        await self.control(self.llm.abort(list(self.requests.values())), "abort")
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    async def _start_lora(self, hf_dir, version: int) -> None:
+        """A tmpfs directory for this engine's adapters (mrl-lora-<pid>-*, swept once the pid is gone),
+        and the adapter a started-from export carries (the warm start's, or the latest on a restart)."""
+        from vllm.lora.request import LoRARequest
+
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.lora_dir = tempfile.mkdtemp(prefix=f"mrl-lora-{os.getpid()}-", dir=root)
+        start = os.path.join(str(hf_dir), "adapter")
+        if os.path.isfile(os.path.join(start, "adapter_config.json")):
+            # a copy of our own: the export may be removed (a restart's is), and vLLM reloads an
+            # adapter from its path after evicting it from its cache
+            own = shutil.copytree(start, os.path.join(self.lora_dir, f"v{version}"))
+            req = LoRARequest(f"v{version}", version + 1, own)
+            if not await self.llm.add_lora(req):
+                raise GeneratorBroken(f"generator {self.gid}: vLLM refused the starting adapter in {start}")
+            self.lora_request = req
+
+    def lora_kw(self) -> dict:
+        """What a request carries with trainer.lora: the served version's adapter (none at version 0
+        of a run that starts without one)."""
+        return {"lora_request": self.lora_request} if self.lora_request is not None else {}
+
+    async def load_lora(self, receiver, version: int, timeout_s: float) -> None:
+        """The `load` of an update under LoRA: the pushed adapters become the served adapter."""
+        prev = self.lora_request
+        self.lora_request = await load_lora_into_vllm(self.llm, receiver, version, timeout_s, self.lora_dir,
+                                                      self.cfg.trainer.lora, prev)
+        if prev is not None and self.lora_dir and prev.lora_path.startswith(self.lora_dir):
+            self._lora_old.append(prev.lora_path)
+        while len(self._lora_old) > 1:  # the previous version's directory stays until the next update
+            remove_dir(self._lora_old.pop(0))
+
+    async def stop(self) -> None:
+        if self.llm is not None:
+            self._unwatch()  # the stop kills the core: not a death to report
+            llm, self.llm = self.llm, None
+            await asyncio.to_thread(stop_engine, llm)
+        if self.lora_dir is not None:
+            shutil.rmtree(self.lora_dir, ignore_errors=True)
+            self.lora_dir = None
