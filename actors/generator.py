@@ -12,6 +12,7 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     await gens.end_stage.call()                                    # carry_over: keep running | save partials
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
     await gens.stats.call_one()                                    # version, in-flight, tokens/s, pauses...
+    why = await gens.watch.call_one()                              # answers (the failure) once it breaks
     await gens.shutdown.call()                                     # engine.shutdown(): no child left
 
 Finished rollouts (with reward from the task plug-in) go to `buf.add` one at a time; a request
@@ -36,6 +37,8 @@ from pipeline.rollout_engine import RolloutEngine
 from pipeline.types import PromptGroup, Rollout
 
 __all__ = ["GeneratorActor", "MeshSource", "stream_prefix"]
+
+WATCH_PERIOD_S = 0.5
 
 
 def stream_prefix(generator_id: int, incarnation: int) -> str:
@@ -166,6 +169,15 @@ class GeneratorActor(Actor):
     async def stats(self) -> dict:
         """version, in_flight, tokens, tokens_per_s, reprefill_tokens, pause_s (per update), failed by reason."""
         return self.core.snapshot()
+
+    @concurrent_endpoint  # held open by the supervisor for as long as this generator lives
+    async def watch(self) -> str:
+        """Returns the failure text once this generator is broken (a failed loop, weight load or
+        engine); until then it does not answer. Its core reports a broken engine only when asked
+        (snapshot), so this asks it every WATCH_PERIOD_S."""
+        while (error := self.core.snapshot()["error"]) is None:
+            await asyncio.sleep(WATCH_PERIOD_S)
+        return error
 
     @endpoint
     async def generate_eval(self, prompts: list, max_new_tokens: int, temperature: float = 0.0,

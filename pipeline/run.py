@@ -67,7 +67,7 @@ def print_summary(cfg: Config, summary: dict) -> None:
 def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S) -> None:
     """Run the job from this process on `host` (a host mesh; None: this host) and print its summary.
     SIGINT, SIGTERM or SIGHUP stop it through the controller's shutdown (cleanup.run_until_signalled)."""
-    from pipeline.controller import run
+    from pipeline.driver.loop import run
 
     summary = cleanup.run_until_signalled(run(cfg, host=host), grace_s)
     print_summary(cfg, summary)
@@ -82,7 +82,7 @@ def launch(cfg: Config) -> int:
     if not under_torchrun or os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
         loopback_only()  # before any proc starts: they inherit this environment
     if under_torchrun:
-        from pipeline.torchrun import run_under_torchrun
+        from pipeline.driver.torchrun import run_under_torchrun
 
         return run_under_torchrun(cfg, functools.partial(drive, cfg, grace_s=TORCHRUN_GRACE_S))
     drive(cfg)

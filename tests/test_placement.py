@@ -161,12 +161,13 @@ def test_pipeline_start_pins_every_proc_and_the_vllm_engine_processes_to_their_c
     """Pipeline.start with trainer.cpus=a, generator.cpus=b, buffer.cpus=b: every thread of every proc
     runs on its set, torch runs one thread per core, and the generator's engine core and vLLM worker
     (its children) inherit core b, the worker's OpenMP threads bound to it by vLLM."""
-    from pipeline.controller import Pipeline
+    from pipeline.driver.job import Job
+    from pipeline.driver.shutdown import shut_down
 
     a, b = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
     cfg = load_config(None, [f"trainer.cpus={a}", f"generator.cpus={b}", f"buffer.cpus={b}", "run.allow_shared_cpus=true",
                              "generator.concurrency=2", f"run.out_dir={tmp_path}", "generator.start_timeout_s=600"])
-    pipe = Pipeline(cfg)
+    pipe = Job(cfg)
     try:
         loop.run_until_complete(pipe.start())
         placed = pipe.placement
@@ -185,4 +186,4 @@ def test_pipeline_start_pins_every_proc_and_the_vllm_engine_processes_to_their_c
         for pid, _ in engine:
             assert _allowed(pid) == {str(b)}, (titles[pid], _allowed(pid))
     finally:
-        loop.run_until_complete(pipe.shutdown())
+        loop.run_until_complete(shut_down(pipe))

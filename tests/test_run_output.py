@@ -18,7 +18,7 @@ import pytest
 from pipeline import logs, procs
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, ConfigError, load_config
-from pipeline.metrics import MetricsSink, read_jsonl, trained_samples
+from pipeline.driver.metrics import MetricsSink, read_jsonl, trained_samples
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer
 from pipeline.tasks import reverse
 from pipeline.types import PromptItem, Rollout

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline.wandb_sink import open_wandb
+from pipeline.driver.wandb_sink import open_wandb
 
 if TYPE_CHECKING:
     from pipeline.types import Batch
