@@ -453,3 +453,56 @@ def test_cli_run_with_faulty_rewards_and_prompts_finishes_and_counts_them(tmp_pa
     assert ev_rejected == {f"eval/rejected/{k}" for k in ("reward_raised", "reward_nan", "reward_not_a_number",
                                                           "reward_timeout")}, ev_rejected
     assert "sample rejected" in p.stderr  # the first few are logged with prompt and completion
+
+
+def test_supervisor_restarts_a_slot_once_per_incarnation_and_drops_stale_reports(tmp_path):
+    """The Supervisor's one queue: a failure of a slot's current incarnation starts one restart
+    (the same algorithm for a generator and the reward model, here with a stand-in for the wiring,
+    which needs real meshes); repeated and stale reports (an older incarnation, as a late Monarch
+    fault of a replaced mesh) start nothing; past the budget the run ends naming the key."""
+    from pipeline.config import GeneratorConfig, RunConfig
+    from pipeline.driver.calls import RunError
+    from pipeline.driver.fleet import Fleet
+    from pipeline.driver.supervisor import Supervisor
+
+    cfg = Config(generator=GeneratorConfig(num_generators=2, max_restarts=1), run=RunConfig(out_dir=str(tmp_path)))
+    fleet = Fleet(cfg)
+    assert [fleet.generators[1].incarnation_of(n) for n in ("generator1r2-x7", "generator11r0-x", "generator1r0")] \
+        == [2, None, None]
+
+    class Watch:
+        async def call_one(self):
+            await asyncio.Event().wait()  # a healthy generator's watch never answers
+
+    class Gen:
+        watch = Watch()
+
+    class Wiring:
+        brought: list[str] = []
+
+        async def take_out(self, slot):
+            return {"requeued_groups": 0}
+
+        async def bring_back(self, slot):
+            self.brought.append(slot.mesh_name)
+            slot.handle = Gen()
+            return {"version": 0}
+
+    sup = Supervisor(cfg, fleet, Wiring())
+
+    async def go():
+        run = asyncio.create_task(sup.run())
+        sup.report(0, "engine died")
+        sup.report(0, "engine died, said again")
+        await asyncio.sleep(0.1)
+        sup.report(fleet.generators[0], "late fault of the replaced mesh", 0)
+        await asyncio.sleep(0.1)
+        assert not run.done()
+        sup.report(0, "the new one died too")
+        with pytest.raises(RunError, match=r"generator0 failed and has used its 1 restarts \(generator.max_restarts\)"):
+            await asyncio.wait_for(run, 5)
+
+    asyncio.run(go())
+    assert Wiring.brought == ["generator0r1"]
+    events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(e["generator"], e["restart"], e["cause"]) for e in events] == [(0, 1, "engine died")]

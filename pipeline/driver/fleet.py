@@ -105,12 +105,14 @@ class MeshSlot:
 
     async def stop(self, closed: bool = False) -> None:
         """Take it out and stop it (see the class docstring); `closed`: its shutdown ran already."""
-        handle, procs = self.handle, self.procs
-        self.handle, self.procs, self.live = None, None, False
-        tree, held = list(self.pids), set()
+        handle, procs, pids = self.handle, self.procs, self.pids
+        self.handle, self.procs, self.live, self.pids = None, None, False, []
+        if handle is None and procs is None and not pids:  # never spawned, or stopped already
+            return
+        tree, held = list(pids), set()
         if self.local:  # the engine's message queues: unlinked by vLLM on a clean exit, not after a kill
-            tree += [d for root, _ in self.pids for d in descendants(root) if d not in tree]
-            held = cleanup.held_by(p for p, _ in tree) | self.segments
+            tree += [d for root, _ in pids for d in descendants(root) if d not in tree]
+            held, self.segments = cleanup.held_by(p for p, _ in tree) | self.segments, set()
         clean = closed
         if handle is not None and not closed:
             with contextlib.suppress(Exception):

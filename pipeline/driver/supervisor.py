@@ -38,8 +38,8 @@ from typing import Any
 import monarch.actor
 
 from pipeline.config import Config
-from pipeline.driver.fleet import Fleet, MeshSlot
 from pipeline.driver.calls import RunError
+from pipeline.driver.fleet import Fleet, MeshSlot
 from pipeline.rollout import reject_rate_problem
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,7 @@ class Supervisor:
         if slot.incarnation >= limit:
             raise RunError(f"{slot.label} failed and has used its {limit} restarts ({key}): {cause}")
         self._slow.pop(slot.name, None)
+        slot.incarnation += 1  # from here on, reports about the old incarnation are stale
         task = asyncio.create_task(self._restart(slot, cause), name=f"restart-{slot.name}")
         self._restarting[slot.name] = task
 
@@ -186,7 +187,6 @@ class Supervisor:
     async def _restart(self, slot: MeshSlot, cause: str) -> None:
         """The one restart algorithm: see the module docstring."""
         detected, t0 = time.time(), time.monotonic()
-        slot.incarnation += 1  # from here on, reports about the old incarnation are stale
         log.warning("%s failed (%s); restart %d of %d", slot.label, cause[:300], slot.incarnation,
                     self.budget(slot)[0])
         self._unwatch(slot)
