@@ -3,7 +3,7 @@
 Runs the whole job (generators, replay buffer, trainer, weight sync) as described by the config.
 Under torchrun every rank joins one Monarch job and rank 0 drives it, on one host
 (`torchrun --nproc-per-node K -m pipeline.run ...`) or several (one launcher per node with
-`--nnodes N --node-rank R --master-addr A --master-port P`; see pipeline/torchrun.py).
+`--nnodes N --node-rank R --master-addr A --master-port P`; see pipeline/driver/torchrun.py).
 Exit codes: 0 done (run.steps, or the end of data with run.epochs), 2 bad config, arguments or task
 (one that does not load, an empty train split, a bad data file), 1 the run failed; stopped by a
 signal, once its shutdown has run: 130 SIGINT, 143 SIGTERM, 129 SIGHUP (128 + signum, also after a
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("removed %d shared-memory segments of dead runs: %s", len(swept), " ".join(swept))
         return launch(cfg)
     except (ConfigError, TaskError) as e:  # the file, the job's shape (trainer.num_ranks vs hosts), or the
-        print(f"error: {e}", file=sys.stderr)  # task (Pipeline checks it before any mesh starts)
+        print(f"error: {e}", file=sys.stderr)  # task (the Job checks it before any mesh starts)
         return 2
     except KeyboardInterrupt as e:  # SIGINT; cleanup.Interrupted for SIGTERM and SIGHUP
         print(f"interrupted ({e or 'SIGINT'}); exit code {cleanup.exit_code(e)}", file=sys.stderr)

@@ -225,7 +225,7 @@ def bos_tokenizer_dir(tiny_dir: Path, out: Path) -> Path:
 @pytest.mark.parametrize("variant", ["tiny", "adds_bos"])
 def test_generation_and_warm_start_tokenize_a_prompt_the_same_way(tiny_dir, tmp_path, variant):
     """RolloutEngine._prompt_tokens (the ids vLLM generates from, which the trainer gets back in each
-    Rollout) and Pipeline.demo_batch (the warm start) must agree, special tokens included; a
+    Rollout) and demo_batch (the warm start) must agree, special tokens included; a
     demonstration never gets one. Fails if either path tokenizes on its own."""
     from pipeline.driver.warm_start import demo_batch
     from pipeline.model import BOS_ID, load_tokenizer

@@ -1,5 +1,5 @@
 """Placement (pipeline/placement.py): the pure rules on simulated hosts, the start-time check through
-the CLI, and one Pipeline.start on real Monarch procs whose cores are read back from /proc."""
+the CLI, and one Job.start on real Monarch procs whose cores are read back from /proc."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def _omp_binding(env: dict[str, str]) -> tuple[str, str]:
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the trainer, one for the rest")
 def test_pipeline_start_pins_every_proc_and_the_vllm_engine_processes_to_their_cores(loop, tmp_path):
-    """Pipeline.start with trainer.cpus=a, generator.cpus=b, buffer.cpus=b: every thread of every proc
+    """Job.start with trainer.cpus=a, generator.cpus=b, buffer.cpus=b: every thread of every proc
     runs on its set, torch runs one thread per core, and the generator's engine core and vLLM worker
     (its children) inherit core b, the worker's OpenMP threads bound to it by vLLM."""
     from pipeline.driver.job import Job

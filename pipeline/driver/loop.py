@@ -39,7 +39,12 @@ log = logging.getLogger(__name__)
 
 class AsyncPublish:
     """Announce v to the buffer, then start its push; returns once the trainer may step again (the
-    delivery overlaps the next step). The buffer's stats after finish_step."""
+    delivery overlaps the next step; WeightSync.start first waits for the push of v-1). The buffer's
+    stats after finish_step.
+
+    Example:
+        buf = await AsyncPublish(job)(v, metrics["reward/mean"])   # v admitted, its push under way
+    """
 
     def __init__(self, job: Job):
         self.job = job
@@ -52,7 +57,11 @@ class AsyncPublish:
 
 class SyncPublish:
     """Push v and wait until every generator serves it, then announce it: admission for v opens
-    only on v's weights."""
+    only on v's weights. The buffer's stats after finish_step.
+
+    Example:
+        buf = await SyncPublish(job)(v, metrics["reward/mean"])    # every generator serves v
+    """
 
     def __init__(self, job: Job):
         self.job = job
