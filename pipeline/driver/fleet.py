@@ -192,6 +192,16 @@ class Fleet:
     def live_generators(self) -> list[tuple[int, MeshSlot]]:
         return [(i, s) for i, s in enumerate(self.generators) if s.live]
 
+    async def refresh_stats(self, timeout_s: float) -> None:
+        """Ask every live generator for its stats now and cache the answers (`slot.stats`); one that
+        does not answer keeps its cached ones (a failure is the supervisor's to notice)."""
+        live = [s for _, s in self.live_generators()]
+        res = await asyncio.gather(*[asyncio.wait_for(s.handle.stats.call_one(), timeout_s) for s in live],
+                                   return_exceptions=True)
+        for slot, r in zip(live, res):
+            if not isinstance(r, BaseException):
+                slot.stats = r
+
     def reward_model_handle(self) -> Any:
         rm = self.reward_model
         return rm.handle if rm is not None and rm.live else None

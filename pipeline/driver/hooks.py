@@ -39,12 +39,15 @@ class Hook:
 
 class Measure(Hook):
     """Throughput, the collapse watch, and the fleet's metrics: the generators' stats as of the
-    supervisor's last probe (`slot.stats`, no call per step), the versions they serve (the weight
-    sync's record of each apply, else the version a generator was spawned with), restarts."""
+    supervisor's last probe (`slot.stats`, no call per step; at most a probe period old), except at
+    run.steps, whose row, the run's totals as a person reads them, asks every generator once; the
+    versions they serve (the weight sync's record of each apply, else the version a generator was
+    spawned with); restarts."""
 
     def __init__(self, job: Any):
         cfg = job.cfg
         self.job = job
+        self.last_step = cfg.run.steps
         self.watch = CollapseWatch(cfg.run.collapse_entropy, cfg.run.collapse_length, cfg.run.collapse_patience)
         self.t_start = time.monotonic()
         self.samples = self.tokens = 0
@@ -59,6 +62,8 @@ class Measure(Hook):
         self.samples += int(metrics.get("samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
         self.tokens += int(metrics["batch/tokens"])
         elapsed = time.monotonic() - self.t_start
+        if step == self.last_step:
+            await job.fleet.refresh_stats(cfg.generator.health_timeout_s)
         live = job.fleet.live_generators()
         gens = [s.stats for _, s in live if s.stats is not None]
         served = min((job.sync.served.get(i, s.version) for i, s in live), default=job.version)
