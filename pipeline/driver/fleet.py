@@ -42,8 +42,8 @@ class MeshSlot:
     records what a cleanup after a hard kill needs: the pids of its proc and its children, and (on a
     one-host job, where those pids mean something here) the /dev/shm segments they held. `stop` is
     best effort and bounded (STOP_CALL_S + STOP_PROCS_S + 5 s): the actor's shutdown (unless
-    `closed`), its proc mesh, then SIGKILL to whatever of its processes survived and unlink of the
-    segments nobody holds any more. It never raises. `live` is whether the handle takes part in the
+    `closed`), its proc mesh, then (`kill`) SIGKILL to whatever of its processes survived and unlink
+    of the segments nobody holds any more. It never raises; a second stop does nothing. `live` is whether the handle takes part in the
     run (generation, pushes); a slot is out while it is restarted. `stats` is the latest answer to the
     supervisor's probe (None until the first probe of this incarnation); `version` the weights it was
     spawned with.
@@ -121,8 +121,14 @@ class MeshSlot:
         if procs is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(procs.stop(), STOP_PROCS_S)
-        if not self.local:
-            return
+        if self.local:
+            await self.kill(tree, held, clean)
+
+    async def kill(self, tree: list, held: set[str], clean: bool) -> None:
+        """After its proc mesh stopped (one host only): SIGKILL whatever of `tree` (its processes)
+        survived, since an engine core outlives a parent killed with SIGKILL, wait (bounded) until
+        they are reaped, then unlink the segments of `held` that nobody maps any more. `clean`: its
+        shutdown ran, so survivors are vLLM's exiting helpers (logged at INFO, else WARNING)."""
         killed = kill(tree)
         deadline = time.monotonic() + 5.0  # a SIGKILLed process holds its mappings until it is reaped
         while any(alive(p) for p in tree) and time.monotonic() < deadline:
@@ -131,7 +137,7 @@ class MeshSlot:
         gone = cleanup.unlink_orphaned(held)
         if gone:
             log.info("%s: removed %d shared-memory segments it left: %s", self.label, len(gone), " ".join(gone))
-        if killed:  # after a clean engine shutdown only vLLM's exiting helpers are left: routine
+        if killed:
             log.log(logging.INFO if clean else logging.WARNING, "%s: killed leftover processes %s", self.label, killed)
 
 
