@@ -33,7 +33,7 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
                 (α_j = n_j / n), weights each sample by π_old(y) / Σ_j α_j q_j(y), whatever version
                 made it. q_j(y) is the sequence likelihood under version j: the sampler's own
                 logprobs for the version that made y, the trainer's snapshot of version j for the
-                others (`balance_log_mixture` gets log q [N, J]; train_core keeps the snapshots).
+                others (`balance_log_mixture` gets log q [N, J]; pipeline/trainer/snapshots.py keeps the snapshots).
                 With one version it is seq_is. A sample whose tokens span several versions has no
                 single proposal: it gets seq_is's weight (log_mix = Σ_t mask·mu).
 

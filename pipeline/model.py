@@ -253,7 +253,7 @@ def load_tokenizer(hf_dir: Path):
 
 def encode_prompt(tok, prompt: str) -> list[int]:
     """A prompt's token ids, the one way every path makes them: generation (Episodes.prompt_tokens, whose ids
-    the trainer gets in each Rollout) and the warm start (Pipeline.demo_batch). With the tokenizer's
+    the trainer gets in each Rollout) and the warm start (pipeline.driver.warm_start.demo_batch). With the tokenizer's
     own special tokens, as vLLM and HF add them to a text prompt: a BOS for a tokenizer that adds one
     (Llama-style), nothing for the tiny and Qwen tokenizers."""
     return list(tok(prompt, add_special_tokens=True)["input_ids"])

@@ -3,7 +3,7 @@
 Runs the whole job (generators, replay buffer, trainer, weight sync) as described by the config.
 Under torchrun every rank joins one Monarch job and rank 0 drives it, on one host
 (`torchrun --nproc-per-node K -m pipeline.run ...`) or several (one launcher per node with
-`--nnodes N --node-rank R --master-addr A --master-port P`; see pipeline/torchrun.py).
+`--nnodes N --node-rank R --master-addr A --master-port P`; see pipeline/driver/torchrun.py).
 Exit codes: 0 done (run.steps, or the end of data with run.epochs), 2 bad config, arguments or task
 (one that does not load, an empty train split, a bad data file), 1 the run failed; stopped by a
 signal, once its shutdown has run: 130 SIGINT, 143 SIGTERM, 129 SIGHUP (128 + signum, also after a
@@ -69,7 +69,7 @@ def print_summary(cfg: Config, summary: dict) -> None:
 def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S) -> None:
     """Run the job from this process on `host` (a host mesh; None: this host) and print its summary.
     SIGINT, SIGTERM or SIGHUP stop it through the controller's shutdown (cleanup.run_until_signalled)."""
-    from pipeline.controller import run
+    from pipeline.driver.loop import run
 
     summary = cleanup.run_until_signalled(run(cfg, host=host), grace_s)
     print_summary(cfg, summary)
@@ -84,7 +84,7 @@ def launch(cfg: Config) -> int:
     if not under_torchrun or os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
         loopback_only()  # before any proc starts: they inherit this environment
     if under_torchrun:
-        from pipeline.torchrun import run_under_torchrun
+        from pipeline.driver.torchrun import run_under_torchrun
 
         return run_under_torchrun(cfg, functools.partial(drive, cfg, grace_s=TORCHRUN_GRACE_S))
     drive(cfg)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("removed %d shared-memory segments of dead runs: %s", len(swept), " ".join(swept))
         return launch(cfg)
     except (ConfigError, TaskError) as e:  # the file, the job's shape (trainer.num_ranks vs hosts), or the
-        print(f"error: {e}", file=sys.stderr)  # task (Pipeline checks it before any mesh starts)
+        print(f"error: {e}", file=sys.stderr)  # task (the Job checks it before any mesh starts)
         return 2
     except KeyboardInterrupt as e:  # SIGINT; cleanup.Interrupted for SIGTERM and SIGHUP
         print(f"interrupted ({e or 'SIGINT'}); exit code {cleanup.exit_code(e)}", file=sys.stderr)

@@ -11,7 +11,9 @@
     >>> s.stop()
 
 Every method blocks until done (with the controller's timeouts) so it reads naturally at a prompt;
-the meshes live on a private event loop thread. `s.pipe` is the underlying `Pipeline` for async use.
+the meshes live on a private event loop thread. `s.pipe` is the underlying `Job` (pipeline/driver/job.py:
+trainer, buffer, fleet, sync, evaluation) for async use. No supervisor runs: a generator that fails
+fails the call that reached it (a push included), and nothing restarts it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import threading
 from typing import Any, Sequence
 
 from pipeline.config import Config, load_config
-from pipeline.controller import CALL_TIMEOUT_S, Pipeline, buffer_metrics, timed
+from pipeline.driver.calls import CALL_TIMEOUT_S, call_within
+from pipeline.driver.hooks import Hooks, buffer_metrics
+from pipeline.driver.job import Job
+from pipeline.driver.loop import TrainLoop, finish_step
+from pipeline.driver.shutdown import shut_down
 
 
 class Session:
@@ -31,7 +37,9 @@ class Session:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pipeline-session", daemon=True)
         self._thread.start()
-        self.pipe = Pipeline(cfg)
+        self.pipe = Job(cfg)
+        # steps by hand: the session announces a version (train_step) and pushes it (sync) itself
+        self._steps = TrainLoop(self.pipe, None, Hooks([]))
         self._generating = False
         atexit.register(self.stop)  # a session left open stops its meshes when the interpreter exits
 
@@ -63,46 +71,50 @@ class Session:
         self.generate()
 
         async def go() -> dict:
-            metrics = await self.pipe.train_once()
-            metrics.update(buffer_metrics(await self.pipe.finish_step(metrics["reward/mean"])))
+            _, metrics = await self._steps.train_once()
+            metrics.update(buffer_metrics(await finish_step(self.pipe, self.pipe.version, metrics["reward/mean"])))
             return metrics
 
         return self._run(go(), timeout=None)
 
     def sync(self) -> float:
         """Push the trainer's weights to every generator; returns the end-to-end seconds."""
-        return self._run(self.pipe.push_weights(), timeout=None)
+        return self._run(self.pipe.sync.push(self.pipe.version), timeout=None)
 
     def evaluate(self) -> dict[str, float]:
-        return self._run(self.pipe.evaluate())
+        return self._run(self.pipe.evaluation.evaluate())
 
     # ------------------------------------------------------------------ inspection
+
+    def _generator(self, i: int) -> Any:
+        return self.pipe.fleet.generators[i].handle
 
     def versions(self) -> dict[str, int]:
         async def get():
             out = {"trainer": await self.pipe.trainer.version()}
-            for i, g in enumerate(self.pipe.generators):
-                out[f"generator{i}"] = await timed(f"generator{i}.version", g.version.call_one())
+            for i in range(len(self.pipe.fleet.generators)):
+                out[f"generator{i}"] = await call_within(f"generator{i}.version", self._generator(i).version.call_one())
             return out
 
         return self._run(get())
 
     def buffer_stats(self) -> dict:
-        return self._run(timed("buffer.stats", self.pipe.buffer.stats.call_one()))
+        return self._run(call_within("buffer.stats", self.pipe.buffer.stats.call_one()))
 
     def stats(self) -> dict:
         return self._run(self.pipe.stats())
 
     def call(self, actor: str, endpoint: str, *args: Any, **kwargs: Any) -> Any:
         """Call any endpoint: actor is 'trainer', 'buffer' or 'generatorN'; trainer calls return rank 0's value."""
+        n = len(self.pipe.fleet.generators)
         if actor == "trainer":
             mesh = self.pipe.trainer.mesh
         elif actor == "buffer":
             mesh = self.pipe.buffer
-        elif actor.startswith("generator") and actor[9:].isdigit() and int(actor[9:]) < len(self.pipe.generators):
-            mesh = self.pipe.generators[int(actor[9:])]
+        elif actor.startswith("generator") and actor[9:].isdigit() and int(actor[9:]) < n:
+            mesh = self._generator(int(actor[9:]))
         else:
-            raise ValueError(f"unknown actor {actor!r}; use 'trainer', 'buffer' or generator0..{len(self.pipe.generators) - 1}")
+            raise ValueError(f"unknown actor {actor!r}; use 'trainer', 'buffer' or generator0..{n - 1}")
         ep = getattr(mesh, endpoint, None)
         if ep is None or not hasattr(ep, "call_one"):
             raise ValueError(f"{actor} has no endpoint {endpoint!r}")
@@ -110,7 +122,7 @@ class Session:
         async def go():
             if actor == "trainer":  # every trainer endpoint is a collective over all ranks
                 return await self.pipe.trainer.call_all(endpoint, *args)
-            return await timed(f"{actor}.{endpoint}", ep.call_one(*args, **kwargs))
+            return await call_within(f"{actor}.{endpoint}", ep.call_one(*args, **kwargs))
 
         return self._run(go())
 
@@ -120,7 +132,7 @@ class Session:
         atexit.unregister(self.stop)
         if self._loop.is_running():
             try:
-                self._run(self.pipe.shutdown(), timeout=300)
+                self._run(shut_down(self.pipe), timeout=300)
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=30)

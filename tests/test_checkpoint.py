@@ -23,7 +23,7 @@ from pipeline.buffer import ReplayBufferCore
 from pipeline.checkpoint import (MARKER, Checkpoints, incomplete, latest, load_controller_state, prepare_resume,
                                  save_controller_state)
 from pipeline.config import BufferConfig, ConfigError, load_config
-from pipeline.metrics import MetricsSink, read_jsonl
+from pipeline.driver.metrics import MetricsSink, read_jsonl
 from pipeline.types import PromptItem, Rollout
 
 from .conftest import REPO

@@ -301,7 +301,7 @@ def test_minibatch_step_before_a_nonfinite_one_stays_applied_and_counts_as_skipp
 
 @pytest.mark.slow
 def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_actors(loop):
-    """Pipeline.train_once against a real ReplayBufferActor and a real trainer mesh: a batch of empty
+    """TrainLoop.train_once against a real ReplayBufferActor and a real trainer mesh: a batch of empty
     completions comes back from the trainer as Monarch's ActorError(EmptyBatchError); the batch goes
     back to the buffer, which, at max_staleness 0, admits the next group only because of that, and
     the step trains on it. Two skips in a row (trainer.max_skipped_steps=2) end the run."""
@@ -309,13 +309,17 @@ def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_act
 
     from actors.replay_buffer import ReplayBufferActor
     from actors.trainer import Trainer
-    from pipeline.controller import Pipeline, RunError
+    from pipeline.driver.calls import RunError
+    from pipeline.driver.hooks import Hooks
+    from pipeline.driver.job import Job
+    from pipeline.driver.loop import SyncPublish, TrainLoop
     from pipeline.model import PAD_ID
 
     cfg = Config(model=ModelConfig(), buffer=BufferConfig(group_size=2, batch_groups=1, max_staleness=0,
                                                           overcommit="none"),
                  trainer=TrainerConfig(max_skipped_steps=2, init_timeout_s=120))
-    pipe = Pipeline(cfg)
+    pipe = Job(cfg)
+    steps = TrainLoop(pipe, SyncPublish(pipe), Hooks([]))
 
     async def feed(kinds: list[str]) -> None:
         """Admit a group whenever admission opens and complete it: 'empty' completions or normal ones."""
@@ -331,10 +335,10 @@ def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_act
         pipe.buffer = procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
         pipe.trainer = await Trainer.start(cfg)
         try:
-            metrics, _ = await asyncio.gather(pipe.train_once(), feed(["empty", "normal"]))
+            (_, metrics), _ = await asyncio.gather(steps.train_once(), feed(["empty", "normal"]))
             s1 = await pipe.buffer.stats.call_one()
             with pytest.raises(RunError, match="2 steps in a row skipped") as e:
-                await asyncio.gather(pipe.train_once(), feed(["empty", "empty"]))
+                await asyncio.gather(steps.train_once(), feed(["empty", "empty"]))
             return metrics, s1, str(e.value), await pipe.buffer.stats.call_one()
         finally:
             await pipe.trainer.close()
@@ -351,7 +355,8 @@ def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_act
 def test_reject_rate_above_the_bound_ends_the_run_naming_generator_fraction_and_reason():
     """The controller's health probe on generator stats (a stand-in for the generator actor, which
     needs a vLLM engine; the stats are a real RolloutStats snapshot)."""
-    from pipeline.controller import Pipeline, RunError
+    from pipeline.driver.calls import RunError
+    from pipeline.driver.job import Job
 
     s = RolloutStats()
     for i in range(40):
@@ -365,13 +370,14 @@ def test_reject_rate_above_the_bound_ends_the_run_naming_generator_fraction_and_
     class Gen:
         stats = Stats()
 
-    pipe = Pipeline(Config(task=TaskConfig(max_reject_frac=0.4)))
-    pipe.generators = [Gen()]
+    pipe = Job(Config(task=TaskConfig(max_reject_frac=0.4)))
+    slot = pipe.fleet.generators[0]
+    slot.handle, slot.live = Gen(), True
     with pytest.raises(RunError, match=r"generator0: 50% of its last 40 samples were rejected.*"
                                        r"max_reject_frac=0.4.*top reason reward_timeout"):
-        asyncio.run(pipe._probe({}))
-    pipe.cfg = Config(task=TaskConfig(max_reject_frac=0.5))
-    assert asyncio.run(pipe._probe({})) == {}
+        asyncio.run(pipe.supervisor.probe())
+    pipe.supervisor.cfg = Config(task=TaskConfig(max_reject_frac=0.5))
+    assert asyncio.run(pipe.supervisor.probe()) == {}
 
 
 # ---- one real run ------------------------------------------------------------------------------
@@ -447,3 +453,56 @@ def test_cli_run_with_faulty_rewards_and_prompts_finishes_and_counts_them(tmp_pa
     assert ev_rejected == {f"eval/rejected/{k}" for k in ("reward_raised", "reward_nan", "reward_not_a_number",
                                                           "reward_timeout")}, ev_rejected
     assert "sample rejected" in p.stderr  # the first few are logged with prompt and completion
+
+
+def test_supervisor_restarts_a_slot_once_per_incarnation_and_drops_stale_reports(tmp_path):
+    """The Supervisor's one queue: a failure of a slot's current incarnation starts one restart
+    (the same algorithm for a generator and the reward model, here with a stand-in for the wiring,
+    which needs real meshes); repeated and stale reports (an older incarnation, as a late Monarch
+    fault of a replaced mesh) start nothing; past the budget the run ends naming the key."""
+    from pipeline.config import GeneratorConfig, RunConfig
+    from pipeline.driver.calls import RunError
+    from pipeline.driver.fleet import Fleet
+    from pipeline.driver.supervisor import Supervisor
+
+    cfg = Config(generator=GeneratorConfig(num_generators=2, max_restarts=1), run=RunConfig(out_dir=str(tmp_path)))
+    fleet = Fleet(cfg)
+    assert [fleet.generators[1].incarnation_of(n) for n in ("generator1r2-x7", "generator11r0-x", "generator1r0")] \
+        == [2, None, None]
+
+    class Watch:
+        async def call_one(self):
+            await asyncio.Event().wait()  # a healthy generator's watch never answers
+
+    class Gen:
+        watch = Watch()
+
+    class Wiring:
+        brought: list[str] = []
+
+        async def take_out(self, slot):
+            return {"requeued_groups": 0}
+
+        async def bring_back(self, slot):
+            self.brought.append(slot.mesh_name)
+            slot.handle = Gen()
+            return {"version": 0}
+
+    sup = Supervisor(cfg, fleet, Wiring())
+
+    async def go():
+        run = asyncio.create_task(sup.run())
+        sup.report(0, "engine died")
+        sup.report(0, "engine died, said again")
+        await asyncio.sleep(0.1)
+        sup.report(fleet.generators[0], "late fault of the replaced mesh", 0)
+        await asyncio.sleep(0.1)
+        assert not run.done()
+        sup.report(0, "the new one died too")
+        with pytest.raises(RunError, match=r"generator0 failed and has used its 1 restarts \(generator.max_restarts\)"):
+            await asyncio.wait_for(run, 5)
+
+    asyncio.run(go())
+    assert Wiring.brought == ["generator0r1"]
+    events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(e["generator"], e["restart"], e["cause"]) for e in events] == [(0, 1, "engine died")]

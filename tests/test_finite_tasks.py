@@ -225,19 +225,19 @@ def bos_tokenizer_dir(tiny_dir: Path, out: Path) -> Path:
 @pytest.mark.parametrize("variant", ["tiny", "adds_bos"])
 def test_generation_and_warm_start_tokenize_a_prompt_the_same_way(tiny_dir, tmp_path, variant):
     """Episodes.prompt_tokens (the ids vLLM generates from, which the trainer gets back in each
-    Rollout) and Pipeline.demo_batch (the warm start) must agree, special tokens included; a
+    Rollout) and demo_batch (the warm start) must agree, special tokens included; a
     demonstration never gets one. Fails if either path tokenizes on its own."""
-    from pipeline.controller import Pipeline
+    from pipeline.driver.warm_start import demo_batch
     from pipeline.model import BOS_ID, load_tokenizer
     from pipeline.generator.core import GeneratorCore
 
     hf = tiny_dir if variant == "tiny" else bos_tokenizer_dir(tiny_dir, tmp_path / "bos")
     tok = load_tokenizer(hf)
     cfg = Config(task=TaskConfig(name="pipeline.tasks.jsonl", path=str(CAPITALS), eval_prompts=0))
-    core, pipe = GeneratorCore(cfg, 0), Pipeline(cfg)
-    core.engine.tok = pipe.tokenizer = tok
-    demo = take(pipe.task, 0, "train", 6)
-    ids, mask = pipe.demo_batch(demo)
+    core, task = GeneratorCore(cfg, 0), open_task(cfg.task, evaluate=False)
+    core.engine.tok = tok
+    demo = take(task, 0, "train", 6)
+    ids, mask = demo_batch(tok, task, demo)
     for row, m, item in zip(ids.tolist(), mask.tolist(), demo):
         start = m.index(1.0)
         gen = list(core.episodes.prompt_tokens(item.prompt))
@@ -281,7 +281,7 @@ def test_cli_run_on_a_finite_jsonl_task_ends_cleanly_at_its_end_of_data(tmp_path
     console = p.stdout + p.stderr
     assert not re.search(r"\bINFO\b", console), [line for line in console.splitlines() if "INFO" in line][:10]
     assert "RotaryEmbedding" not in console and "Loading safetensors checkpoint shards" not in console
-    assert "WARNING pipeline.controller" in p.stderr and "step 1: the policy looks collapsed" in p.stderr
+    assert "WARNING pipeline.driver.hooks" in p.stderr and "step 1: the policy looks collapsed" in p.stderr
     assert "rl[async]" in p.stderr  # the progress bar
     assert "end of data: 2 epochs of prompts drawn (run.epochs=2)" in p.stdout, p.stdout[-2000:]
     assert "the eval split has 3 prompts, fewer than task.eval_prompts=8" in p.stderr

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, TrainerConfig
-from pipeline.health import CollapseWatch, batch_health
+from pipeline.driver.health import CollapseWatch, batch_health
 from pipeline.losses import adapt_entropy_coef, policy_loss, token_entropy
 from pipeline.types import PromptItem
 

@@ -157,7 +157,7 @@ def _stores():
 
 
 def test_waiting_rank_returns_rank_0s_exit_code():
-    from pipeline import torchrun
+    from pipeline.driver import torchrun
 
     server, client = _stores()
     server.set(torchrun.DONE_KEY, "0")
@@ -166,7 +166,7 @@ def test_waiting_rank_returns_rank_0s_exit_code():
 
 def test_waiting_rank_gives_up_when_rank_0s_heartbeat_stalls(monkeypatch, caplog):
     """The store stays up (torchrun's agent hosts it) but rank 0 stopped beating: exit 1 after STALL_S."""
-    from pipeline import torchrun
+    from pipeline.driver import torchrun
 
     monkeypatch.setattr(torchrun, "HEARTBEAT_S", 0.2)
     monkeypatch.setattr(torchrun, "STALL_S", 1.0)
@@ -177,7 +177,7 @@ def test_waiting_rank_gives_up_when_rank_0s_heartbeat_stalls(monkeypatch, caplog
 
 
 def test_waiting_rank_gives_up_when_the_store_goes_away(monkeypatch, caplog):
-    from pipeline import torchrun
+    from pipeline.driver import torchrun
 
     monkeypatch.setattr(torchrun, "HEARTBEAT_S", 0.2)
     server, client = _stores()

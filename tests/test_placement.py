@@ -1,5 +1,5 @@
 """Placement (pipeline/placement.py): the pure rules on simulated hosts, the start-time check through
-the CLI, and one Pipeline.start on real Monarch procs whose cores are read back from /proc."""
+the CLI, and one Job.start on real Monarch procs whose cores are read back from /proc."""
 
 from __future__ import annotations
 
@@ -154,15 +154,16 @@ def _omp_binding(env: dict[str, str]) -> tuple[str, str]:
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the trainer, one for the rest")
 def test_pipeline_start_pins_every_proc_and_the_vllm_engine_processes_to_their_cores(loop, tmp_path):
-    """Pipeline.start with trainer.cpus=a, generator.cpus=b, buffer.cpus=b: every thread of every proc
+    """Job.start with trainer.cpus=a, generator.cpus=b, buffer.cpus=b: every thread of every proc
     runs on its set, torch runs one thread per core, and the generator's engine core and vLLM worker
     (its children) inherit core b, the worker's OpenMP threads bound to it by vLLM."""
-    from pipeline.controller import Pipeline
+    from pipeline.driver.job import Job
+    from pipeline.driver.shutdown import shut_down
 
     a, b = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
     cfg = load_config(None, [f"trainer.cpus={a}", f"generator.cpus={b}", f"buffer.cpus={b}", "run.allow_shared_cpus=true",
                              "generator.concurrency=2", f"run.out_dir={tmp_path}", "generator.start_timeout_s=600"])
-    pipe = Pipeline(cfg)
+    pipe = Job(cfg)
     try:
         loop.run_until_complete(pipe.start())
         placed = pipe.placement
@@ -181,4 +182,4 @@ def test_pipeline_start_pins_every_proc_and_the_vllm_engine_processes_to_their_c
         for pid, _ in engine:
             assert _allowed(pid) == {str(b)}, (titles[pid], _allowed(pid))
     finally:
-        loop.run_until_complete(pipe.shutdown())
+        loop.run_until_complete(shut_down(pipe))

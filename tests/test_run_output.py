@@ -18,7 +18,7 @@ import pytest
 from pipeline import logs, procs
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, ConfigError, load_config
-from pipeline.metrics import MetricsSink, read_jsonl, trained_samples
+from pipeline.driver.metrics import MetricsSink, read_jsonl, trained_samples
 from pipeline.model import EOS_ID, PAD_ID, load_tokenizer
 from pipeline.tasks import reverse
 from pipeline.types import PromptItem, Rollout
@@ -45,7 +45,7 @@ def _batch(tok, version: int = 2):
 def test_trained_samples_decode_prompt_completion_and_versions_of_a_padded_batch(tiny_dir):
     tok = load_tokenizer(tiny_dir)
     batch, texts = _batch(tok)
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (as Pipeline.decode)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (as Job.decode)
     rows = trained_samples(batch, decode, k=2, pad_id=PAD_ID)
     assert [r["group_id"] for r in rows] == [batch.group_ids[0], batch.group_ids[2]]  # spread over the groups
     for r in rows:

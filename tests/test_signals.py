@@ -328,12 +328,12 @@ def test_sweep_removes_a_dead_runs_segments_and_keeps_a_live_ones(tmp_path):
 
 
 def test_shutdown_steps_run_concurrently_within_one_deadline_and_never_raise(caplog):
-    """Pipeline.shutdown's steps (controller._settle): concurrent, cut at one deadline, a failure
+    """shut_down's steps (pipeline/driver/shutdown.py, settle): concurrent, cut at one deadline, a failure
     logged rather than raised over the error that caused the shutdown; the caller's cancel still
     propagates."""
     import asyncio
 
-    from pipeline.controller import _settle
+    from pipeline.driver.shutdown import settle as _settle
 
     ended = []
 

@@ -2,7 +2,7 @@
 
 One pipeline (trainer, replay buffer, two vLLM generators, built with on_update=keep so every
 strategy is safe on its engines) serves every case; each case rewires the transport
-(`WeightSync.attach`) and runs a few steps of the job's own training loop (`_train_loop`), then
+(`WeightSync.attach`) and runs a few steps of the job's own training loop (`TrainLoop.run`), then
 checks that the served versions advanced with the trainer's and that no trained sample exceeded
 max_staleness. The last case ends each stage with CoPRIS carry-over and checks that partial
 rollouts were carried and resumed.
@@ -20,8 +20,12 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from pipeline.controller import Pipeline, _train_loop
-from pipeline.metrics import Progress
+from pipeline.driver.checkpointing import Checkpointing
+from pipeline.driver.hooks import Hooks, step_hooks
+from pipeline.driver.job import Job
+from pipeline.driver.loop import TrainLoop, publish_for
+from pipeline.driver.metrics import Progress
+from pipeline.driver.shutdown import shut_down
 from pipeline.weightsync.sync import WeightSync
 
 from .conftest import REPO
@@ -56,17 +60,17 @@ class ListSink:
 def pipe(tmp_path_factory):
     loop = asyncio.new_event_loop()
     cfg = load_config(REPO / "configs" / "tiny.yaml", [*SMALL, f"run.out_dir={tmp_path_factory.mktemp('matrix')}"])
-    p = Pipeline(cfg)
+    p = Job(cfg)
     try:
         loop.run_until_complete(p.start())
         loop.run_until_complete(p.start_generation())
         yield loop, p
     finally:
-        loop.run_until_complete(p.shutdown())
+        loop.run_until_complete(shut_down(p))
         loop.close()
 
 
-def run_case(loop, pipe: Pipeline, **changes) -> list[dict]:
+def run_case(loop, pipe: Job, **changes) -> list[dict]:
     """Rewire the sync for this case's config and run STEPS steps of the real training loop."""
     base = pipe.cfg
     cfg = dataclasses.replace(
@@ -77,18 +81,19 @@ def run_case(loop, pipe: Pipeline, **changes) -> list[dict]:
         run=dataclasses.replace(base.run, steps=pipe.version + STEPS))
     first = pipe.version + 1
     pipe.cfg = cfg
-    pipe.sync = WeightSync(pipe.trainer, pipe.generators, cfg)
+    pipe.sync = WeightSync(pipe.trainer, pipe.fleet.handles, cfg)
     sink = ListSink()
     try:
         loop.run_until_complete(pipe.sync.attach(pipe.trainer_addr))
-        loop.run_until_complete(asyncio.wait_for(_train_loop(pipe, sink, Progress(STEPS, False), first), 300))
+        hooks = step_hooks(pipe, sink, Progress(STEPS, False), Checkpointing(pipe), first)
+        loop.run_until_complete(asyncio.wait_for(TrainLoop(pipe, publish_for(pipe), hooks).run(first), 300))
     finally:
         pipe.cfg = base
     return sink.rows
 
 
-def served(loop, pipe: Pipeline) -> list[int]:
-    return [loop.run_until_complete(g.version.call_one()) for g in pipe.generators]
+def served(loop, pipe: Job) -> list[int]:
+    return [loop.run_until_complete(g.version.call_one()) for g in pipe.fleet.handles]
 
 
 @pytest.mark.parametrize("transport,on_update,rolling", CASES)
@@ -108,15 +113,16 @@ def test_every_transport_and_strategy_advances_served_versions_within_staleness(
 
 def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(pipe):
     """CoPRIS: at each batch the in-flight rollouts end early as partials and resume on the next
-    version. Each step is the job's own `Pipeline.step`, taken while requests are in the engines (when
+    version. Each step is the job's own `TrainLoop.step`, taken while requests are in the engines (when
     generation outruns training, nothing is in flight at a batch and there is nothing to carry)."""
     loop, p = pipe
     base = p.cfg
     p.cfg = dataclasses.replace(base, generator=dataclasses.replace(base.generator, carry_over="save"))
-    p.sync = WeightSync(p.trainer, p.generators, p.cfg)
+    p.sync = WeightSync(p.trainer, p.fleet.handles, p.cfg)
+    steps = TrainLoop(p, publish_for(p), Hooks([]))
 
     async def busy() -> bool:
-        stats = await asyncio.gather(*[g.stats.call_one() for g in p.generators])
+        stats = await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles])
         return any(s["in_engine"] > 0 for s in stats)
 
     def moved(before: list[dict], after: list[dict], key: str) -> int:
@@ -124,7 +130,7 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
 
     async def go() -> tuple[list, list, list]:
         await p.sync.attach(p.trainer_addr)
-        before = await asyncio.gather(*[g.stats.call_one() for g in p.generators])
+        before = await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles])
         rows, busy_steps = [], 0
         # Requests of equal length started together also end together, so a stage end may find none
         # running; steps go on (at most 6 * STEPS) until partials were carried and resumed.
@@ -132,14 +138,14 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
             deadline = time.monotonic() + 5  # the engines: then step anyway, which reopens admission
             while not (was_busy := await busy()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            rows.append(await p.step())
+            rows.append((await steps.step())[1])
             busy_steps += was_busy
-            now = await asyncio.gather(*[g.stats.call_one() for g in p.generators])
+            now = await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles])
             if busy_steps >= STEPS and moved(before, now, "carried_tokens") and moved(before, now, "reprefill_tokens"):
                 break
         assert busy_steps >= STEPS, f"only {busy_steps} of {len(rows)} steps were taken with requests in the engines"
         await p.sync.wait()
-        return before, await asyncio.gather(*[g.stats.call_one() for g in p.generators]), rows
+        return before, await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles]), rows
 
     try:
         before, after, rows = loop.run_until_complete(asyncio.wait_for(go(), 600))

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import (Config, GeneratorConfig, ModelConfig, RewardModelConfig, TaskConfig,  # noqa: E402
                              TinyModelConfig)
-from pipeline.metrics import write_csv  # noqa: E402
+from pipeline.driver.metrics import write_csv  # noqa: E402
 from pipeline.types import PromptGroup  # noqa: E402
 
 GROUP_IDS = itertools.count()

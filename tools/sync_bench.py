@@ -36,7 +36,7 @@ from monarch.actor import Actor, endpoint, this_host
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import ModelConfig, WeightSyncConfig  # noqa: E402
-from pipeline.metrics import write_csv  # noqa: E402
+from pipeline.driver.metrics import write_csv  # noqa: E402
 from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs  # noqa: E402
 from pipeline.weightsync.load import pause_keep  # noqa: E402
 

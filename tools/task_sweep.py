@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.metrics import read_jsonl  # noqa: E402
+from pipeline.driver.metrics import read_jsonl  # noqa: E402
 
 BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed",
            "pipeline.tasks.calc"]

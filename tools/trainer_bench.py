@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.trainer import Trainer  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.metrics import write_csv  # noqa: E402
+from pipeline.driver.metrics import write_csv  # noqa: E402
 from pipeline.model import model_dir, read_hf_config  # noqa: E402
 from pipeline.types import Batch  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""generator.*: the generator actors and their vLLM engines (pipeline/rollout_engine.py, actors/generator.py)."""
+"""generator.*: the generator actors and their vLLM engines (pipeline/generator/, actors/generator.py)."""
 
 from __future__ import annotations
 

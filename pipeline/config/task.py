@@ -1,4 +1,4 @@
-"""task.*: the prompts, the reward and the environment of a run (pipeline/tasks/, pipeline/envs.py)."""
+"""task.*: the prompts, the reward and the environment of a run (pipeline/tasks/, pipeline/generator/envs.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class TaskConfig:
     an environment that raised or timed out, or a prompt that was empty, too long or not
     tokenisable (0 < x <= 1; 1 never stops)."""
     env: str = ""
-    """Multi-turn: dotted path of an environment factory `env(item) -> Env` (pipeline/envs.py); empty:
+    """Multi-turn: dotted path of an environment factory `env(item) -> Env` (pipeline/generator/envs.py); empty:
     the task's own `env` if it has one, else single-turn."""
     max_turns: int = 4
     """Multi-turn: model turns per rollout (1..256); the episode ends after the last one."""

@@ -1,4 +1,4 @@
-"""trainer.*: the trainer ranks, their optimizer and loss (pipeline/train_core.py), and trainer.lora.*."""
+"""trainer.*: the trainer ranks, their optimizer and loss (pipeline/trainer/), and trainer.lora.*."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class TrainerConfig:
     tensor_parallel: int = 1
     """Tensor-parallel degree tp (dividing num_ranks): the ranks form a (num_ranks / tp) x tp mesh,
     FSDP2 over the first axis, Colwise/Rowwise DTensor sharding of every block's projections and the
-    output head over the second (pipeline/train_core.py). On CPU with gloo and on GPU with nccl."""
+    output head over the second (pipeline/trainer/parallel.py). On CPU with gloo and on GPU with nccl."""
     lr: float = 3e-4
     """AdamW learning rate (0 < lr <= 1)."""
     warmup_steps: int = 0

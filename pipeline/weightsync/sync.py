@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, MutableSequence
 
 from pipeline.config import Config
 
@@ -62,13 +62,15 @@ async def _bounded(what: str, aw, timeout_s: float):
 
 class WeightSync:
     """See the module docstring. `generators[i]` is generator i's actor handle, None while it is out
-    (dead, restarting). With `on_failure` set, a generator that fails its part of a push is taken out
-    (`on_failure(i, error)` tells its supervisor) and the push goes on for the others; without it,
-    any failure fails the push."""
+    (dead, restarting): the caller's live list, read (not copied) and written only by `detach` and
+    `rejoin`. `served[i]` is the version generator i reported after its last apply. With
+    `on_failure` set, a generator that fails its part of a push is taken out (`on_failure(i, error)`
+    tells its supervisor; `on_failure(None, error)`: the push failed) and the push goes on for the
+    others; without it, any failure fails the push."""
 
-    def __init__(self, trainer: Any, generators: Sequence[Any], cfg: Config,
-                 on_failure: Callable[[int, BaseException], None] | None = None) -> None:
-        self.trainer, self.generators, self.cfg = trainer, list(generators), cfg
+    def __init__(self, trainer: Any, generators: MutableSequence[Any], cfg: Config,
+                 on_failure: Callable[[int | None, BaseException], None] | None = None) -> None:
+        self.trainer, self.generators, self.cfg = trainer, generators, cfg
         self.on_failure = on_failure
         self._host = "127.0.0.1"
         self._handle = None
@@ -76,6 +78,7 @@ class WeightSync:
         self._parts: dict[int, asyncio.Task] = {}  # each member's part of the push in flight
         self._lock = asyncio.Lock()  # start / attach / rejoin never interleave
         self._task: asyncio.Task | None = None
+        self.served: dict[int, int] = {}
         self.last: dict[str, float] = {}
         """Timing of the last finished push: total_s, pack_s, stage_s, apply_s (seconds)."""
 
@@ -112,6 +115,7 @@ class WeightSync:
 
     def detach(self, i: int) -> None:
         """Take generator i out of every later push (it died); a push in flight ignores its failure."""
+        self.served.pop(i, None)
         if self.generators[i] is not None:
             self.generators[i] = None
             self._rewire = self.kind == "collective"
@@ -235,3 +239,5 @@ class WeightSync:
             raise SyncError(f"generator{i}: loading weight version {version} failed: {e}") from e
         if served != version:
             raise SyncError(f"generator{i} serves version {served} after apply_weights({version})")
+        if self.generators[i] is gen:
+            self.served[i] = version

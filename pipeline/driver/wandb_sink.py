@@ -2,7 +2,7 @@
 
     wb = open_wandb("offline", out_dir, config=dataclasses.asdict(cfg))   # NullWandb for "off"
     wb.log(step, {"reward/mean": 0.4})
-    wb.log_rollouts(step, rows)        # rows of pipeline.metrics.trained_samples
+    wb.log_rollouts(step, rows)        # rows of pipeline.driver.metrics.trained_samples
     wb.close()
 
 offline writes out_dir/wandb/offline-run-* and needs no network (`wandb sync <that dir>` uploads it

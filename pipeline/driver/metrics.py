@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline.wandb_sink import open_wandb
+from pipeline.driver.wandb_sink import open_wandb
 
 if TYPE_CHECKING:
     from pipeline.types import Batch
@@ -86,7 +86,7 @@ def rollouts_markdown(step: int, rows: list[dict]) -> str:
 class MetricsSink:
     """One JSON line per `log` call (all values), TensorBoard scalars (numeric values), and with
     `log_rollouts` a few trained samples per step in rollouts.jsonl and TensorBoard text. With
-    wandb=offline|online the same scalars and samples go to W&B as well (pipeline/wandb_sink.py).
+    wandb=offline|online the same scalars and samples go to W&B as well (pipeline/driver/wandb_sink.py).
 
     A run owns its out_dir's metrics: a fresh run (`resume_step=None`) starts metrics.jsonl and
     rollouts.jsonl anew; a resumed one keeps the rows up to its checkpoint's step, drops the later ones

@@ -1,0 +1,229 @@
+"""Step hooks: what runs after each train step, in order, each one a small object; the ones that
+are off are null objects, so the loop has no `if enabled` branches.
+
+    hooks = step_hooks(job, sink, progress, checkpointing, first_step)
+    await hooks.start(first_step)                # eval at step 0 (a fresh run)
+    await hooks.after_step(step, metrics, batch) # measure -> eval -> checkpoint -> rollout log -> record
+    summary = await hooks.finish(last, ended)    # final eval at an end of data; the summary's fields
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+from pipeline.driver.health import CollapseWatch
+from pipeline.driver.metrics import trained_samples
+from pipeline.model import PAD_ID
+from pipeline.types import Batch
+
+log = logging.getLogger(__name__)
+
+
+class Hook:
+    """The null hook: every phase does nothing. `after_step` may add entries to `metrics`, which
+    the Record hook (last) writes."""
+
+    async def start(self, first_step: int) -> None:
+        pass
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        pass
+
+    async def finish(self, last: int, ended: str) -> dict:
+        return {}
+
+
+class Measure(Hook):
+    """Throughput, the collapse watch, and the fleet's metrics: the generators' stats as of the
+    supervisor's last probe (`slot.stats`, no call per step; at most a probe period old), except at
+    run.steps, whose row, the run's totals as a person reads them, asks every generator once; the
+    versions they serve (the weight sync's record of each apply, else the version a generator was
+    spawned with); restarts."""
+
+    def __init__(self, job: Any):
+        cfg = job.cfg
+        self.job = job
+        self.last_step = cfg.run.steps
+        self.watch = CollapseWatch(cfg.run.collapse_entropy, cfg.run.collapse_length, cfg.run.collapse_patience)
+        self.t_start = time.monotonic()
+        self.samples = self.tokens = 0
+
+    async def start(self, first_step: int) -> None:
+        self.t_start = time.monotonic()  # after the step-0 eval (Hooks.start runs it last)
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        job, cfg = self.job, self.job.cfg
+        if (msg := self.watch.update(step, metrics)) is not None:
+            log.warning(msg)
+        self.samples += int(metrics.get("samples", cfg.buffer.batch_groups * cfg.buffer.group_size))
+        self.tokens += int(metrics["batch/tokens"])
+        elapsed = time.monotonic() - self.t_start
+        if step == self.last_step:
+            await job.fleet.refresh_stats(cfg.generator.health_timeout_s)
+        live = job.fleet.live_generators()
+        gens = [s.stats for _, s in live if s.stats is not None]
+        served = min((job.sync.served.get(i, s.version) for i, s in live), default=job.version)
+        metrics.update({
+            "throughput/samples_per_s": self.samples / elapsed, "throughput/trained_tokens_per_s": self.tokens / elapsed,
+            "throughput/gen_tokens_per_s": sum(g["tokens_per_s"] for g in gens),
+            "sync/latency_s": job.sync.last.get("total_s", float("nan")),
+            "version/generator": served, "version/lag": job.version - served,
+            "carry/samples": float(sum(g["carried_samples"] for g in gens)),
+            "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),
+            "carry/reprefill_tokens": float(sum(g["reprefill_tokens"] for g in gens)),
+            "faults/restarts": float(sum(s.incarnation for s in job.fleet.generators)),
+            "faults/requeued_groups": float(job.requeued_groups),
+            **rejected_metrics(gens), **reward_metrics(gens, job),
+        })
+
+    async def finish(self, last: int, ended: str) -> dict:
+        elapsed = max(time.monotonic() - self.t_start, 1e-9)
+        return {"elapsed_s": elapsed, "collapsed_steps": self.watch.steps_collapsed,
+                "samples_per_s": self.samples / elapsed, "tokens_per_s": self.tokens / elapsed}
+
+
+class Eval(Hook):
+    """Held-out eval at step 0 of a fresh run, every run.eval_every steps, at run.steps, and after
+    the last step of a run that ran out of data; each first waits for the push in flight, so the
+    weights evaluated are the ones just trained. Appends to job.eval_curve (kept in checkpoints)."""
+
+    def __init__(self, job: Any, sink: Any, first_step: int):
+        self.job, self.sink = job, sink
+        self.every, self.last_step = job.cfg.run.eval_every, job.cfg.run.steps
+        self.first_step = first_step
+
+    async def _eval(self, step: int) -> dict:
+        await self.job.sync.wait()
+        ev = await self.job.evaluation.evaluate()
+        self.job.eval_curve.append((step, ev["eval/reward"], ev["eval/reward_greedy"]))
+        return ev
+
+    async def start(self, first_step: int) -> None:
+        if first_step == 1:
+            self.sink.log(0, await self._eval(0))
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        if step % self.every == 0 or step == self.last_step:
+            metrics.update(await self._eval(step))
+
+    async def finish(self, last: int, ended: str) -> dict:
+        curve = self.job.eval_curve
+        if ended == "data" and last >= self.first_step and not (curve and curve[-1][0] == last):
+            # the final model (the loop evaluates at run.steps, which end of data comes before): its own row
+            self.sink.log(last, await self._eval(last))
+        return {}
+
+
+class Checkpoint(Hook):
+    """A checkpoint every run.checkpoint_every steps (Checkpointing.save waits for the push in flight)."""
+
+    def __init__(self, checkpointing: Any, every: int):
+        self.checkpointing, self.every = checkpointing, every
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        if step % self.every == 0:
+            metrics["checkpoint"] = str(await self.checkpointing.save(step))
+
+
+class RolloutLog(Hook):
+    """run.log_rollouts of each trained batch's samples, decoded, to the sink (rollouts.jsonl)."""
+
+    def __init__(self, job: Any, sink: Any, k: int):
+        self.job, self.sink, self.k = job, sink, k
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        self.sink.log_rollouts(step, trained_samples(batch, self.job.decode, self.k, PAD_ID))
+
+
+class Record(Hook):
+    """Last: the step's metrics to the sink (metrics.jsonl, TensorBoard, W&B) and the progress bar."""
+
+    def __init__(self, sink: Any, progress: Any):
+        self.sink, self.progress = sink, progress
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        self.sink.log(step, metrics)
+        self.progress.update(metrics)
+
+
+class Hooks:
+    """Hooks run in list order, each phase of each hook awaited before the next: a hook sees the
+    metrics the earlier ones added. `start` and `finish` run them last first, so that the clock of
+    Measure (first) starts after the step-0 eval and stops after the final one, as the run's throughput
+    has always been measured. `finish` merges their summary fields.
+
+    Example:
+        hooks = Hooks([Measure(job), Hook(), Hook(), Hook(), Record(sink, progress)])
+        await hooks.after_step(1, metrics, batch)
+    """
+
+    def __init__(self, hooks: list[Hook]):
+        self.hooks = hooks
+
+    async def start(self, first_step: int) -> None:
+        for h in reversed(self.hooks):
+            await h.start(first_step)
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        for h in self.hooks:
+            await h.after_step(step, metrics, batch)
+
+    async def finish(self, last: int, ended: str) -> dict:
+        out: dict = {}
+        for h in reversed(self.hooks):
+            out |= await h.finish(last, ended)
+        return out
+
+
+def step_hooks(job: Any, sink: Any, progress: Any, checkpointing: Any, first_step: int) -> Hooks:
+    """The job's hooks as configured: eval (run.eval_every with task.eval_prompts), checkpoints
+    (run.checkpoint_every), the rollout log (run.log_rollouts), each a null Hook when off."""
+    run = job.cfg.run
+    return Hooks([
+        Measure(job),
+        Eval(job, sink, first_step) if run.eval_every and job.cfg.task.eval_prompts else Hook(),
+        Checkpoint(checkpointing, run.checkpoint_every) if run.checkpoint_every else Hook(),
+        RolloutLog(job, sink, run.log_rollouts) if run.log_rollouts else Hook(),
+        Record(sink, progress),
+    ])
+
+
+def rejected_metrics(gens: list[dict]) -> dict[str, float]:
+    """`rejected/<reason>`: samples (rewards) and prompts rejected so far, summed over the generators'
+    stats; `rejected/recent_frac`: the highest recent rejected fraction (task.max_reject_frac bounds it)."""
+    total: Counter = Counter()
+    for g in gens:
+        total.update(g["rejected"])
+        total.update(g["failed"])
+    return {**{f"rejected/{k}": float(v) for k, v in sorted(total.items())},
+            "rejected/recent_frac": max((g["recent_rejected_frac"] for g in gens), default=0.0)}
+
+
+def reward_metrics(gens: list[dict], job: Any) -> dict[str, float]:
+    """Reward latency after EOS (median over the generators' recent samples) and, with a reward
+    model, its stream and restart counters (its stats as of the supervisor's last probe)."""
+    lat = [x for g in gens for x in g.get("reward_latency_s", [])]
+    out = {"reward/latency_after_eos_s": statistics.median(lat) if lat else float("nan")}
+    rm = job.fleet.reward_model
+    if rm is not None:
+        rms = [g["reward_model"] for g in gens if g.get("reward_model")]
+        rs = rm.stats or {}
+        out.update({"reward_model/restarts": float(rm.incarnation),
+                    "reward_model/score_mean": statistics.fmean([r["score_mean"] for r in rms]) if rms else float("nan"),
+                    "reward_model/chunks": float(sum(r["chunks"] for r in rms)),
+                    "reward_model/resent_whole": float(sum(r["resent_whole"] for r in rms)),
+                    "reward_model/held_streams": float(rs.get("held", 0)),
+                    "reward_model/busy_frac": float(rs.get("busy_frac", 0.0)),
+                    "reward_model/ops_per_forward": float(rs.get("ops_per_forward", 0.0))})
+    return out
+
+
+def buffer_metrics(buf: dict) -> dict[str, float]:
+    """The buffer's per-step metrics: Δ, drops and wasted tokens (every mode reports them)."""
+    return {"buffer/delta": float(buf["delta"]), "buffer/dropped_samples": float(buf["dropped_samples"]),
+            "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"]),
+            "buffer/zero_signal_groups": float(buf["zero_signal_groups"]), "data/epoch": float(buf["data_epoch"])}

@@ -1,0 +1,147 @@
+"""Job: the roles of one run, built together, started together and stopped together.
+
+    job = Job(cfg)                       # nothing starts yet; a bad task or reward model is a ConfigError
+    await job.start()                    # trainer, warm start, buffer, reward model, generators, weight sync
+    await job.start_generation()
+    ...                                  # TrainLoop(job, ...).step(), job.evaluation.evaluate(), ...
+    await shut_down(job)                 # pipeline/driver/shutdown.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from monarch.actor import this_host
+
+from actors.replay_buffer import ReplayBufferActor
+from actors.trainer import Trainer
+from pipeline.checkpoint import Checkpoints
+from pipeline.config import Config, ConfigError
+from pipeline.driver.calls import RunError, call_within
+from pipeline.driver.evaluation import Evaluation
+from pipeline.driver.fleet import Fleet
+from pipeline.driver.rewiring import RestartWiring
+from pipeline.driver.supervisor import Supervisor
+from pipeline.driver.warm_start import warm_start
+from pipeline.model import PAD_ID, load_tokenizer, model_dir
+from pipeline.placement import describe, generator_placements
+from pipeline.reward_model import check_tokenizer
+from pipeline.tasks import open_task
+from pipeline.weightsync.sync import WeightSync
+
+log = logging.getLogger(__name__)
+
+
+def sync_mode_config(cfg: Config) -> Config:
+    """The synchronous baseline: same components, no over-commitment, strictly on-policy."""
+    return dataclasses.replace(
+        cfg, buffer=dataclasses.replace(cfg.buffer, overcommit="none", max_staleness=0),
+        generator=dataclasses.replace(cfg.generator, on_update="drain"))
+
+
+class Job:
+    """The handles and the shared state of one run: the trainer, the buffer, the fleet, the weight
+    sync, the supervisor, the evaluation, and the trainer's version as this process knows it.
+
+    Contract: construction checks what can be checked before any mesh starts (the task, the reward
+    model's tokenizer) and starts nothing. `start` brings the meshes up in order (trainer; warm start;
+    buffer; reward model and generators; the weight sync); a failure midway leaves what started for
+    `shut_down`, which stops whatever is there. With `supervised` (the CLI job) the weight sync hands a
+    member's failure to the supervisor (which must then run: `Supervisor.run`), else (a Session) a
+    failed member fails the push itself: never a generator silently left on old weights. Only the
+    TrainLoop and a resume advance `version`.
+
+    Example:
+        job = Job(cfg, supervised=True)
+        await job.start()
+        loop = TrainLoop(job, AsyncPublish(job), hooks)
+        await asyncio.wait({asyncio.create_task(loop.run(1)), asyncio.create_task(job.supervisor.run())}, ...)
+    """
+
+    def __init__(self, cfg: Config, host: Any = None, supervised: bool = False):
+        self.cfg = sync_mode_config(cfg) if cfg.run.mode == "sync" else cfg
+        self.host = host
+        self.supervised = supervised
+        self.version = 0
+        self.requeued_groups = 0
+        self.eval_curve: list[tuple[int, float, float]] = []  # (step, sampled, greedy); kept in checkpoints
+        self.task = open_task(cfg.task, evaluate=bool(cfg.run.eval_every and cfg.task.eval_prompts))  # TaskError
+        self.checkpoints = Checkpoints(cfg)  # the user's config (before sync_mode_config) is what a resume diffs
+        if cfg.reward_model.path:  # before any mesh starts: a scorer that cannot read our tokens is a config error
+            why = check_tokenizer(model_dir(cfg.model), cfg.reward_model.path)
+            if why is not None:
+                raise ConfigError(f"config: reward_model.path={cfg.reward_model.path!r} cannot be used: {why}")
+        self.placement: dict = {}  # every proc's, by role (placement.json)
+        self.fleet = Fleet(self.cfg, self.placement)
+        self.supervisor = Supervisor(self.cfg, self.fleet, RestartWiring(self))
+        self.evaluation = Evaluation(self.cfg, self.task, self.fleet, self.supervisor.report)
+        self.procs: list[Any] = []  # the trainer's and the buffer's proc meshes
+        self.trainer: Any = None
+        self.buffer: Any = None
+        self.sync: WeightSync | None = None
+        self.tokenizer: Any = None
+        self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.kv_cache_gib))
+        host = self.host or this_host()  # an attached torchrun host mesh has a 'hosts' dim; this_host() none
+        num_hosts = host.sizes.get("hosts", 1)
+        # Trainer rank 0, the buffer and this controller's meshes start on host 0.
+        hosts = [i % num_hosts if cfg.generator.placement == "spread" else 0 for i in range(cfg.generator.num_generators)]
+        remote = [f"generator{i} on host {h}" for i, h in enumerate(hosts) if h != 0]
+        if remote and cfg.weight_sync.transport == "shm":
+            raise RunError(f"weight_sync.transport='shm' only reaches generators on trainer rank 0's host (host 0), "
+                           f"but {', '.join(remote)} (generator.placement={cfg.generator.placement!r}, "
+                           f"{num_hosts} hosts): use weight_sync.transport=rdma (or collective)")
+        # cores or GPUs too few for the generators of a host: a ConfigError (exit 2) before anything starts
+        placements = generator_placements(cfg, hosts, cfg.trainer.num_ranks // num_hosts)
+        self.tokenizer = load_tokenizer(model_dir(cfg.model))
+
+        t0 = time.monotonic()
+        log.info("starting trainer mesh (%d ranks over %d host(s))", cfg.trainer.num_ranks, num_hosts)
+        self.trainer = await Trainer.start(cfg, host)  # every call below: all ranks, rank 0's answer
+        self.procs.append(self.trainer.procs)
+        self.trainer_addr = self.trainer.addr
+        self.placement.update({p["role"]: p for p in self.trainer.placements})
+        warm = None
+        if cfg.run.warm_start_steps and not cfg.run.resume:
+            warm = str(await warm_start(cfg, self.task, self.trainer, self.tokenizer, cfg.run.warm_start_steps))
+
+        log.info("starting replay buffer (host 0) and %d generator(s) on hosts %s; vLLM engines take a while to start",
+                 cfg.generator.num_generators, hosts)
+        buffer_procs = (host.slice(hosts=0) if "hosts" in host.sizes else host).spawn_procs(per_host={"procs": 1})
+        self.procs.append(buffer_procs)
+        self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
+        self.placement["buffer"] = await call_within("buffer setup", self.buffer.setup.call_one(), 60)
+        log.info("placement: buffer (pid %d): %s", self.placement["buffer"]["pid"], describe(self.placement["buffer"]))
+        self.supervisor.install_fault_hook()
+        await self.fleet.start(host, num_hosts, hosts, placements, warm)
+        self.sync = WeightSync(self.trainer, self.fleet.handles, cfg,
+                               on_failure=self.supervisor.report if self.supervised else None)
+        await self.sync.attach(self.trainer_addr)
+        log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
+                 time.monotonic() - t0, cfg.trainer.num_ranks, len(self.fleet.generators), cfg.weight_sync.transport)
+
+    async def start_generation(self) -> None:
+        await call_within("generation start", asyncio.gather(
+            *[s.handle.start_generation.call_one(self.buffer) for _, s in self.fleet.live_generators()]))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids, as the generators decode completions (special tokens dropped)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def stats(self) -> dict:
+        """Every actor's stats now (a round trip each: for the summary and the Session, not per step)."""
+        out = {"buffer": await call_within("buffer.stats", self.buffer.stats.call_one(), 60)}
+        for i, s in self.fleet.live_generators():
+            out[f"generator{i}"] = await call_within(f"generator{i}.stats", s.handle.stats.call_one(), 60)
+        rm = self.fleet.reward_model_handle()
+        if rm is not None:
+            out["reward_model"] = await call_within("reward_model.stats", rm.stats.call_one(), 60)
+        return out

@@ -1,0 +1,207 @@
+"""Supervisor: notices a failed generator or reward model and restarts it while the run goes on.
+
+    sup = Supervisor(cfg, fleet, wiring)     # wiring: what a restart does around the slot (RestartWiring)
+    sup.install_fault_hook()                 # Monarch's fault reports go to its queue
+    sync = WeightSync(trainer, fleet.handles, cfg, on_failure=sup.report)
+    await sup.run()                          # beside the train loop; raises RunError to end the run
+
+Failures come in through ONE queue of (slot, incarnation, cause), fed by:
+  * Monarch's fault hook: a dead mesh, mapped to its slot by the slot's own mesh name
+    (`MeshSlot.incarnation_of`); any other mesh's failure (trainer, buffer) is fatal;
+  * the weight sync's failure callback (a member that failed its part of a push; None: the push);
+  * a long-held `watch` call per generator, which returns the failure text when it breaks;
+  * a slow probe (every PROBE_PERIOD_S with nothing else to do) for what reports nothing: a hung
+    actor (no answer within generator.health_timeout_s three times in a row) and, on one host, a
+    dead proc. Its answers are cached on the slot (`slot.stats`): the train loop's per-generator
+    metrics read them instead of asking every generator at every step.
+A report about an incarnation other than the slot's current one is stale and dropped. Every slot
+is restarted by the same algorithm (`_restart`): count it against its budget (generator.max_restarts,
+reward_model.max_restarts; past it the run ends), take it out, stop it (MeshSlot.stop), bring a new
+incarnation back, record it in out_dir/faults.jsonl. A restart runs in the background: the other
+generators keep generating, and a restart that fails is a new failure of that slot.
+
+Example:
+    sup = Supervisor(cfg, fleet, wiring)
+    loops = {asyncio.create_task(train()), asyncio.create_task(sup.run())}
+    done, pending = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import monarch.actor
+
+from pipeline.config import Config
+from pipeline.driver.calls import RunError
+from pipeline.driver.fleet import Fleet, MeshSlot
+from pipeline.generator.rewards import reject_rate_problem
+
+log = logging.getLogger(__name__)
+
+PROBE_PERIOD_S = 2.0
+HUNG_AFTER = 3  # probe timeouts in a row
+
+
+class Supervisor:
+    """See the module docstring. `wiring` is the per-kind part of a restart (RestartWiring:
+    take_out / bring_back); `report` may be called from the loop's thread only (the fault hook hops
+    threads with call_soon_threadsafe)."""
+
+    def __init__(self, cfg: Config, fleet: Fleet, wiring: Any):
+        self.cfg, self.fleet, self.wiring = cfg, fleet, wiring
+        self.failures: asyncio.Queue = asyncio.Queue()  # (slot or None for fatal, incarnation, cause)
+        self._restarting: dict[str, asyncio.Task] = {}
+        self._watches: dict[str, asyncio.Task] = {}
+        self._slow: dict[str, int] = {}  # probe timeouts in a row, by slot name
+
+    def budget(self, slot: MeshSlot) -> tuple[int, str]:
+        if slot is self.fleet.reward_model:
+            return self.cfg.reward_model.max_restarts, "reward_model.max_restarts"
+        return self.cfg.generator.max_restarts, "generator.max_restarts"
+
+    # ------------------------------------------------------------------ the queue's feeds
+
+    def report(self, i: int | MeshSlot | None, cause: str | BaseException, incarnation: int | None = None) -> None:
+        """A failure of generator i (or a slot; None: fatal) as of `incarnation` (default: its current one)."""
+        slot = self.fleet.generators[i] if isinstance(i, int) else i
+        inc = incarnation if incarnation is not None else slot.incarnation if slot is not None else 0
+        self.failures.put_nowait((slot, inc, str(cause)))
+
+    def install_fault_hook(self) -> None:
+        """Monarch reports a dead mesh to the client's fault hook, whose default exits the process.
+        A slot's failure is ours to handle (restart); any other mesh's failure ends the run."""
+        loop = asyncio.get_running_loop()
+
+        def hook(failure) -> None:
+            if failure.mesh_name.startswith("logger-"):  # a dead proc's logger mesh goes with it
+                return
+            for slot in self.fleet.slots():
+                if (inc := slot.incarnation_of(failure.mesh_name)) is not None:
+                    loop.call_soon_threadsafe(self.report, slot, failure.report(), inc)
+                    return
+            loop.call_soon_threadsafe(self.report, None, failure.report())
+
+        monarch.actor.unhandled_fault_hook = hook
+
+    def watch(self, slot: MeshSlot) -> None:
+        """Hold a `watch` call on the slot's generator: it answers (the failure text) when it breaks."""
+        inc, handle = slot.incarnation, slot.handle
+
+        async def held() -> None:
+            try:
+                cause = await handle.watch.call_one()
+            except Exception as e:  # its actor died: Monarch's fault hook says so too
+                cause = f"{type(e).__name__}: {e}"
+            self.report(slot, cause or "its watch call ended", inc)
+
+        self._unwatch(slot)
+        self._watches[slot.name] = asyncio.create_task(held(), name=f"watch-{slot.mesh_name}")
+
+    def _unwatch(self, slot: MeshSlot) -> None:
+        task = self._watches.pop(slot.name, None)
+        if task is not None:
+            task.cancel()
+
+    async def probe(self) -> dict[MeshSlot, str]:
+        """Ask every live slot for its stats (cached on the slot): a dead actor fails at once, a
+        dead engine reports an error, a slow one times out (HUNG_AFTER in a row count as hung)."""
+        t = self.cfg.generator.health_timeout_s
+        failed, asked = {}, []
+        for slot in self.fleet.slots():
+            if not slot.live:
+                continue
+            if (why := slot.proc_dead()) is not None:
+                failed[slot] = why
+            else:
+                asked.append(slot)
+        res = await asyncio.gather(*[asyncio.wait_for(s.handle.stats.call_one(), t) for s in asked],
+                                   return_exceptions=True)
+        for slot, r in zip(asked, res):
+            if isinstance(r, asyncio.TimeoutError):
+                self._slow[slot.name] = self._slow.get(slot.name, 0) + 1
+                if self._slow[slot.name] >= HUNG_AFTER:
+                    failed[slot] = f"no health answer within {t:.0f}s three times in a row (generator.health_timeout_s)"
+                continue
+            self._slow.pop(slot.name, None)
+            if isinstance(r, BaseException):
+                failed[slot] = f"{type(r).__name__}: {r}"
+                continue
+            slot.stats = r
+            if r.get("error"):
+                failed[slot] = r["error"]
+            elif slot is not self.fleet.reward_model and (
+                    why := reject_rate_problem(r, self.cfg.task.max_reject_frac)) is not None:
+                raise RunError(f"{slot.label}: {why}")  # the task's fault: a restart would not help
+        return failed
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Runs beside the train loop until cancelled; raises RunError on a fatal failure or a slot
+        past its restart budget."""
+        for _, slot in self.fleet.live_generators():
+            self.watch(slot)
+        try:
+            while True:
+                try:
+                    slot, inc, cause = await asyncio.wait_for(self.failures.get(), PROBE_PERIOD_S)
+                    failed = [(slot, inc, cause)]
+                except asyncio.TimeoutError:
+                    failed = [(s, s.incarnation, c) for s, c in (await self.probe()).items()]
+                for slot, inc, cause in failed:
+                    if slot is None:
+                        raise RunError(f"a trainer or buffer mesh failed: {cause}")
+                    if inc == slot.incarnation and slot.name not in self._restarting:
+                        self._start_restart(slot, cause)
+        finally:
+            tasks = [*self._restarting.values(), *self._watches.values()]
+            self._restarting.clear()
+            self._watches.clear()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start_restart(self, slot: MeshSlot, cause: str) -> None:
+        limit, key = self.budget(slot)
+        if slot.incarnation >= limit:
+            raise RunError(f"{slot.label} failed and has used its {limit} restarts ({key}): {cause}")
+        self._slow.pop(slot.name, None)
+        slot.incarnation += 1  # from here on, reports about the old incarnation are stale
+        task = asyncio.create_task(self._restart(slot, cause), name=f"restart-{slot.name}")
+        self._restarting[slot.name] = task
+
+        def done(t: asyncio.Task) -> None:
+            if self._restarting.get(slot.name) is t:
+                del self._restarting[slot.name]
+            if not t.cancelled() and t.exception() is not None:  # try again, within the budget
+                self.report(slot, f"restart failed: {t.exception()}")
+
+        task.add_done_callback(done)
+
+    async def _restart(self, slot: MeshSlot, cause: str) -> None:
+        """The one restart algorithm: see the module docstring."""
+        detected, t0 = time.time(), time.monotonic()
+        log.warning("%s failed (%s); restart %d of %d", slot.label, cause[:300], slot.incarnation,
+                    self.budget(slot)[0])
+        self._unwatch(slot)
+        out = await self.wiring.take_out(slot)
+        await slot.stop()
+        out |= await self.wiring.bring_back(slot)
+        if slot is not self.fleet.reward_model:
+            self.watch(slot)
+        key = {"reward_model": True} if slot is self.fleet.reward_model else {"generator": self.fleet.generators.index(slot)}
+        event = {**key, "restart": slot.incarnation, "cause": cause[:500], "detected_at": detected,
+                 "recovered_at": time.time(), "recovery_s": time.monotonic() - t0, **out}
+        with open(Path(self.cfg.run.out_dir) / "faults.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+        if "version" in out:
+            log.warning("%s back in %.1fs at version %d (%d groups requeued)", slot.label, event["recovery_s"],
+                        out["version"], out["requeued_groups"])
+        else:
+            log.warning("%s back in %.1fs", slot.label, event["recovery_s"])
