@@ -156,6 +156,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, procs, mesh) -> None:
         self.cfg, self.procs, self.mesh = cfg, procs, mesh
+        self.addr = "127.0.0.1"  # rank 0's host as the other hosts reach it (set by start's rendezvous)
+        self.placements: list[dict] = []  # apply()'s report per rank, in rank order (set by start)
 
     @classmethod
     async def start(cls, cfg: Config, host=None, name: str = "trainer") -> "Trainer":
@@ -179,7 +181,7 @@ class Trainer:
         except BaseException:
             await procs.stop()
             raise
-        self.placements = [r["placement"] for r in ranks]  # apply()'s report per rank, in rank order
+        self.placements = [r["placement"] for r in ranks]
         for r in ranks:
             log.info("trainer rank %d/%d on host %d (pid %d), rendezvous %s:%d; placement: %s", r["rank"],
                      r["world"], r["host"], r["pid"], self.addr, port, describe(r["placement"]))

@@ -29,6 +29,8 @@ from pipeline.driver.hooks import Hooks, buffer_metrics
 from pipeline.driver.job import Job
 from pipeline.driver.loop import TrainLoop, finish_step
 from pipeline.driver.shutdown import shut_down
+from pipeline.placement import check_host
+from pipeline.run import loopback_only
 
 
 class Session:
@@ -46,6 +48,8 @@ class Session:
     @classmethod
     def start(cls, config: str | Config | None = None, overrides: Sequence[str] = ()) -> "Session":
         cfg = config if isinstance(config, Config) else load_config(config, overrides)
+        check_host(cfg)  # as the CLI does: a core this host lacks is a ConfigError before any proc
+        loopback_only()  # one host: every listener of the session on loopback, as in a CLI run
         s = cls(cfg)
         try:
             s._run(s.pipe.start(), timeout=None)
