@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import REMOVED_KEYS, Config, ConfigError
+from pipeline.config import REMOVED_KEYS, Config, ConfigError, flatten
 from pipeline.model import SPECIAL_TOKENS, hf_config, padded_vocab_size, tiny_vocab
 
 log = logging.getLogger(__name__)
@@ -293,20 +293,10 @@ def check_fingerprint(saved: dict, cfg: Config, path: Path) -> None:
                 f"start a new run.out_dir to change them")
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_changes(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
     """(key, checkpoint's value, this config's value) for every key that differs, run.resume aside,
     and the keys removed since (REMOVED_KEYS): an older checkpoint records them, nothing can set them."""
-    old, new = _flat(saved), _flat(dataclasses.asdict(cfg))
+    old, new = flatten(saved), flatten(dataclasses.asdict(cfg))
     return [(k, old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
             if k != "run.resume" and k not in REMOVED_KEYS and old.get(k) != new.get(k)]
 

@@ -42,6 +42,15 @@ def start_time(pid: int) -> int | None:
     return st[1] if st is not None and st[2] != "Z" else None
 
 
+def cmdline(pid: int) -> str:
+    """A process's command line (its first 160 characters), or "?" once it is gone: for messages
+    that name what was left running."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+    except OSError:
+        return "?"
+
+
 def alive(proc: Proc) -> bool:
     st = _stat(proc[0])
     return st is not None and st[1] == proc[1] and st[2] != "Z"

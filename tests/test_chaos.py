@@ -19,7 +19,7 @@ def test_killed_generators_are_restarted_and_no_admitted_group_is_lost(tmp_path)
     p = subprocess.run([sys.executable, "tools/chaos.py", "--quick", "--out", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=1500)
     report = json.loads((out / "chaos.json").read_text()) if (out / "chaos.json").exists() else {}
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert p.returncode == 0, p.stdout[-9000:] + p.stderr[-2000:]
     assert all(report["checks"].values()), report["checks"]
     kinds = [k["kind"] for k in report["kills"]]
     assert kinds == ["engine core", "generator proc"]

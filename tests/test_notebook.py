@@ -23,7 +23,7 @@ from nbformat.v4 import new_code_cell
 
 from pipeline import cleanup
 from pipeline.cleanup import SHM_DIR, creator_pid
-from pipeline.procs import alive, descendants, start_time
+from pipeline.procs import alive, cmdline, descendants, start_time
 
 from .conftest import REPO
 
@@ -45,7 +45,7 @@ class KernelTree:
     def look(self) -> None:
         for p in descendants(self.kernel[0]):
             self.tree.add(p)
-            self.cmdlines.setdefault(p, _cmdline(p[0]))
+            self.cmdlines.setdefault(p, cmdline(p[0]))
         pids = {self.kernel[0]} | {p for p, _ in self.tree}
         self.segments |= {n for n, users in cleanup.segment_users().items() if users & pids}
         self.segments |= {n for n in os.listdir(SHM_DIR) if creator_pid(n) in pids}
@@ -54,7 +54,7 @@ class KernelTree:
         deadline = time.monotonic() + GONE_WAIT_S
         while time.monotonic() < deadline and any(alive(p) for p in procs):
             time.sleep(0.2)
-        left = [(p, _cmdline(p)) for p, t in procs if alive((p, t))]
+        left = [(p, cmdline(p)) for p, t in procs if alive((p, t))]
         assert not left, f"processes left behind: {left}"
         segs = sorted(n for n in self.segments if os.path.exists(os.path.join(SHM_DIR, n)))
         assert not segs, f"segments left behind: {segs}"
@@ -65,13 +65,6 @@ class KernelTree:
             if alive(p):
                 os.kill(p[0], signal.SIGKILL)
         cleanup.sweep_segments(min_age_s=0, names=self.segments)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-    except OSError:
-        return "?"
 
 
 def _notebook(out_dir: Path) -> nbformat.NotebookNode:

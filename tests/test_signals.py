@@ -26,7 +26,7 @@ import pytest
 
 from pipeline import cleanup
 from pipeline.cleanup import SHM_DIR, creator_pid
-from pipeline.procs import alive, descendants
+from pipeline.procs import alive, cmdline, descendants
 
 from .conftest import REPO
 
@@ -80,7 +80,7 @@ class Watched:
         while time.monotonic() < deadline and any(alive(p) for p in self.tree):
             time.sleep(0.2)
         left = [p for p in self.tree if alive(p)]
-        assert not left, f"processes left behind: {[(p, _cmdline(p[0])) for p in left]}"
+        assert not left, f"processes left behind: {[(p, cmdline(p[0])) for p in left]}"
         segs = sorted(n for n in self.segments if os.path.exists(os.path.join(SHM_DIR, n)))
         assert not segs, f"segments left behind: {segs}"
 
@@ -94,13 +94,6 @@ class Watched:
                 os.kill(p[0], signal.SIGKILL)
         self.proc.wait(30)
         cleanup.sweep_segments(min_age_s=0, names=self.segments)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-    except OSError:
-        return "?"
 
 
 def _listeners(pids: set[int]) -> list[tuple[str, str, int, int]]:
@@ -151,9 +144,9 @@ def test_sigterm_runs_the_shutdown_and_leaves_no_process_segment_or_public_liste
         run.wait_for_training(out)
         socks = _listeners(run.pids())
         assert socks, "found no listening socket at all: the check would prove nothing"
-        public = [s + (_cmdline(s[3]),) for s in socks if not _loopback(s[1])]
+        public = [s + (cmdline(s[3]),) for s in socks if not _loopback(s[1])]
         assert not public, f"listening beyond loopback: {public}"
-        assert any("EngineCore" in _cmdline(p) for p in run.pids()), "the engine core is part of the check"
+        assert any("EngineCore" in cmdline(p) for p in run.pids()), "the engine core is part of the check"
         assert any(n.startswith("psm_") for n in run.segments) and any(n.startswith("mrl-ws-") for n in run.segments)
         run.proc.send_signal(signal.SIGTERM)
         assert run.wait(240) == 143, run.text()[-4000:]
@@ -201,10 +194,10 @@ def test_torchrun_job_with_two_generators_trains_and_its_launchers_sigterm_leave
         gen = [r["version/generator"] for r in rows]
         assert gen == sorted(gen) and gen[-1] >= len(rows) - 2, gen
         assert max(r["staleness/max"] for r in rows) <= 1
-        cores = [p for p in run.pids() if "EngineCore" in _cmdline(p)]
-        assert len(cores) == 2, [_cmdline(p) for p in run.pids()]  # one vLLM engine per generator
+        cores = [p for p in run.pids() if "EngineCore" in cmdline(p)]
+        assert len(cores) == 2, [cmdline(p) for p in run.pids()]  # one vLLM engine per generator
         socks = _listeners(run.pids() - {run.proc.pid})  # the ranks' trees; torchrun's own store aside
-        public = [s + (_cmdline(s[3]),) for s in socks if not _loopback(s[1])]
+        public = [s + (cmdline(s[3]),) for s in socks if not _loopback(s[1])]
         assert not public, f"listening beyond loopback: {public}"
         run.proc.send_signal(signal.SIGTERM)
         run.wait(120)

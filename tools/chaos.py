@@ -188,6 +188,8 @@ def main() -> int:
     (out / "chaos.json").write_text(json.dumps({"kills": kills, "checks": checks, "buffer": buf}, indent=2))
     if metrics:
         plot(metrics, kills, out / "chaos.png")
+    if code != 0:  # the run's own words on why it ended: the tail of its log
+        print("[chaos] the run's last log lines:\n" + "\n".join((out / "run.log").read_text(errors="replace").splitlines()[-40:]))
     print(f"wrote {out / 'chaos.json'}, {out / 'chaos.png'}; run log {out / 'run.log'}")
     return 0 if ok else 1
 

@@ -19,7 +19,7 @@ pipeline/checkpoint.py prepare_resume: run.resume resolved and matched).
 from pipeline.config.buffer import BufferConfig
 from pipeline.config.errors import ConfigError
 from pipeline.config.generator import GeneratorConfig
-from pipeline.config.load import REMOVED_KEYS, load_config
+from pipeline.config.load import REMOVED_KEYS, flatten, load_config
 from pipeline.config.model import ModelConfig, TinyModelConfig
 from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import LOG_LEVELS, RunConfig
@@ -30,4 +30,4 @@ from pipeline.config.weight_sync import WeightSyncConfig
 
 __all__ = ["BufferConfig", "Config", "ConfigError", "GeneratorConfig", "LOG_LEVELS", "LORA_TARGETS", "LoraConfig",
            "ModelConfig", "REMOVED_KEYS", "RewardModelConfig", "RunConfig", "TaskConfig", "TinyModelConfig",
-           "TrainerConfig", "WeightSyncConfig", "load_config"]
+           "TrainerConfig", "WeightSyncConfig", "flatten", "load_config"]

@@ -29,11 +29,12 @@ REMOVED_KEYS: dict[str, str] = {
 them (pipeline/checkpoint.py ignores them when it diffs configs on resume)."""
 
 
-def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as one level of dotted keys (`{'run': {'steps': 5}}` -> `{'run.steps': 5}`)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, Mapping):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -60,7 +61,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             if not p.is_file():
                 raise ConfigError(f"config: file {str(p)!r} does not exist")
             yaml = OmegaConf.load(p)
-            _refuse_removed(_flat(OmegaConf.to_container(yaml)), f"in {str(p)!r}")
+            _refuse_removed(flatten(OmegaConf.to_container(yaml)), f"in {str(p)!r}")
             cfg = OmegaConf.merge(cfg, yaml)
         if overrides:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
