@@ -93,20 +93,22 @@ class StageScheduler:
         flight into a partial and return once none holds a slot."""
         if carry_over not in ("keep", "save"):
             raise ValueError(f"end_stage: carry_over={carry_over!r}; allowed: 'keep', 'save'")
-        self.state = StageState.IDLE
+        # save: every trajectory returns SAVED at its next gate passage, and the requests in the engine
+        # are cut at once, not after the admission loop's last call (up to generator.admit_wait_s, in
+        # which short requests would finish and leave nothing to carry)
+        self.state = StageState.SAVED if carry_over == "save" else StageState.IDLE
         self._wake.set()
         try:
+            if carry_over == "save" and self.active:
+                await self.engine.abort_requests()
             if self._loop_task is not None:
                 await asyncio.wait_for(asyncio.shield(self._loop_task), timeout_s)
             if carry_over == "save":
-                self.state = StageState.SAVED  # every trajectory returns SAVED at its next gate passage
-                if self.active:
-                    await self.engine.abort_requests()
-                    try:
-                        await asyncio.wait_for(self._empty.wait(), timeout_s)
-                    except asyncio.TimeoutError:
-                        raise TimeoutError(f"generator {self.gid}: {len(self.active)} requests did not stop "
-                                           f"within {timeout_s:.0f}s of end_stage") from None
+                try:
+                    await asyncio.wait_for(self._empty.wait(), timeout_s)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"generator {self.gid}: {len(self.active)} requests did not stop "
+                                       f"within {timeout_s:.0f}s of end_stage") from None
         except Exception as e:  # a generator left idle and not broken would never be noticed
             self.fault.trip(RuntimeError(f"end_stage failed: {type(e).__name__}: {e}"))
             raise
