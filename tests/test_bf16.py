@@ -1,0 +1,144 @@
+"""model.dtype=bfloat16 on the tiny torchtitan model: float32 master weights and AdamW state, bf16
+compute through FSDP2's MixedPrecisionPolicy (one rank: a one-rank gloo group in this process, as
+the trainer actor sets up), and pushes / exports that are exactly the master cast to bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from pipeline.config import Config, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, WeightSyncConfig
+from pipeline.model import export_hf
+from pipeline.trainer.parallel import local, resharded
+from pipeline.trainer.step import TrainCore
+from pipeline.weightsync import WeightSender
+from tests.test_trainer_core import make_batch
+
+
+@pytest.fixture()
+def one_rank():
+    """A one-rank gloo group: the FSDP2 mixed-precision path needs torch.distributed, on one rank too."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def bf16_cfg(**trainer) -> Config:
+    on_update = "abort" if "lora" in trainer else "keep"  # LoRA adapters switch between requests only
+    return Config(model=ModelConfig(dtype="bfloat16"), generator=GeneratorConfig(on_update=on_update),
+                  trainer=TrainerConfig(**trainer))
+
+
+def master(core: TrainCore) -> dict[str, torch.Tensor]:
+    return {n: local(p).detach().clone() for n, p in resharded(core.model).named_parameters()}
+
+
+def steps(core: TrainCore, n: int) -> None:
+    for i in range(n):
+        core.train_step(make_batch(core.model, seed=i, mu_noise=0.1))
+
+
+def changed_fraction(a: dict, b: dict) -> float:
+    return sum(int((a[k] != b[k]).sum()) for k in a) / sum(a[k].numel() for k in a)
+
+
+def test_bf16_steps_at_a_small_lr_move_the_fp32_master(one_rank):
+    core = TrainCore(bf16_cfg(lr=1e-6))
+    assert all(p.dtype == torch.float32 for p in core.model.parameters())
+    before = master(core)
+    steps(core, 10)
+    after = master(core)
+    assert all(v.dtype == torch.float32 for st in core.optimizer.state.values() for k, v in st.items() if k != "step")
+    # Updates of ~1e-6 round to nothing on bf16 weights of ~1e-2 (the old path: 1.9% moved); the master keeps them.
+    assert changed_fraction(before, after) > 0.9
+    assert changed_fraction({k: v.bfloat16() for k, v in before.items()},
+                            {k: v.bfloat16() for k, v in after.items()}) < 0.2
+
+
+def test_the_bf16_push_is_the_fp32_master_cast_to_bf16(one_rank):
+    core = TrainCore(bf16_cfg(lr=1e-4))
+    steps(core, 2)
+    want = {k: v.to(torch.bfloat16) for k, v in export_hf(core.model, core.adapter).items()}  # the fp32 master
+    assert all(v.dtype == torch.float32 for v in export_hf(core.model, core.adapter).values())
+    meta = core.state.hf_meta()
+    sd = core.state.hf_state_dict()
+    assert sd.keys() == want.keys() == meta.keys()
+    assert all(meta[k].dtype == torch.bfloat16 and meta[k].shape == want[k].shape for k in want)
+    assert all(sd[k].dtype == torch.bfloat16 and torch.equal(sd[k], want[k]) for k in want)
+    # what the sender packs (the bytes every receiver reads): the plan says bf16, the tensors are the cast master
+    sender = WeightSender(WeightSyncConfig(transport="shm", bucket_mb=1, timeout_s=30), meta, num_receivers=1)
+    try:
+        slot = sender.pack(sd, 1)
+        packed = dict(sender.plan.unpack(sender.transport.slots[slot].data))
+        assert {e.dtype for e in sender.plan.entries} == {"bfloat16"}
+        assert all(torch.equal(packed[k], want[k]) for k in want)
+    finally:
+        sender.close()
+
+
+def test_bf16_export_writes_the_master_cast_to_bf16(one_rank, tmp_path):
+    core = TrainCore(bf16_cfg(lr=1e-4))
+    steps(core, 1)
+    core.state.export_hf(tmp_path / "hf")
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    want = export_hf(core.model, core.adapter)
+    assert written.keys() == want.keys()
+    assert all(torch.equal(written[k], want[k].to(torch.bfloat16)) for k in want)
+
+
+def test_checkpoint_holds_the_fp32_master_and_a_bf16_checkpoint_loads_upcast(one_rank, tmp_path):
+    cfg = bf16_cfg(lr=1e-4)
+    core = TrainCore(cfg)
+    steps(core, 2)
+    core.save(tmp_path / "fp32", {"pos": 1})
+    back = TrainCore(cfg)
+    back.load(tmp_path / "fp32")
+    assert all(torch.equal(a, b) for a, b in zip(master(core).values(), master(back).values()))
+    # A checkpoint of the old bf16 path: every parameter and moment in bf16, plain tensors (one rank had no FSDP).
+    old = {k: local(v).detach().to(torch.bfloat16) if k.startswith("model.") or not k.endswith(".step")
+           else local(v).detach() for k, v in core.state._dcp_state(False).items()}
+    core.save(tmp_path / "bf16", {"pos": 1})
+    dcp.save(old, checkpoint_id=str(tmp_path / "bf16"))  # replaces the tensors; trainer_state.json stays
+    back = TrainCore(cfg)
+    assert back.load(tmp_path / "bf16") == {"pos": 1}
+    got = back.state._dcp_state(False)
+    for k, v in old.items():
+        assert local(got[k]).dtype == (torch.float32 if v.dtype == torch.bfloat16 else v.dtype), k
+        assert torch.equal(local(got[k]), v.to(local(got[k]).dtype)), k
+    steps(back, 1)  # and it trains on
+
+
+def test_bf16_kl_reference_is_the_bf16_cast_of_the_warm_started_master(one_rank, tmp_path):
+    core = TrainCore(bf16_cfg(lr=1e-4, kl_coef=0.1))
+    assert all(p.dtype == torch.bfloat16 for p in core.ref_model.parameters())
+    steps(core, 1)
+    assert core.state.set_reference()
+    ref = {n: local(p) for n, p in resharded(core.ref_model).named_parameters()}
+    assert all(torch.equal(ref[n], v.bfloat16()) for n, v in master(core).items())
+    core.save(tmp_path / "ck")
+    back = TrainCore(bf16_cfg(lr=1e-4, kl_coef=0.1))
+    back.load(tmp_path / "ck")
+    assert all(torch.equal(local(p), ref[n]) for n, p in resharded(back.ref_model).named_parameters())
+
+
+def test_bf16_lora_adapters_train_in_fp32_over_a_bf16_base(one_rank):
+    core = TrainCore(bf16_cfg(lr=1e-3, lora=LoraConfig(rank=8, alpha=16)))
+    dtypes = {n: p.dtype for n, p in core.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    steps(core, 1)
+    sd = core.state.hf_state_dict()
+    assert sd and all(v.dtype == torch.bfloat16 for v in sd.values())
+    assert any(v.abs().sum() > 0 for k, v in sd.items() if ".lora_B." in k)
+
+
+def test_bf16_without_torch_distributed_is_refused():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="needs torch.distributed"):
+        TrainCore(bf16_cfg())
