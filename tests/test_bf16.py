@@ -4,6 +4,9 @@ the trainer actor sets up), and pushes / exports that are exactly the master cas
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,10 +14,14 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from pipeline.config import Config, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, WeightSyncConfig
-from pipeline.model import export_hf
+from actors.trainer import Trainer
+from pipeline.generator.engine import stop_engine
+from pipeline.model import build_model, export_hf, model_dir
 from pipeline.trainer.parallel import local, resharded
 from pipeline.trainer.step import TrainCore
-from pipeline.weightsync import WeightSender
+from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs
+from pipeline.weightsync.segment import Segment
+from tests.test_trainer import gather
 from tests.test_trainer_core import make_batch
 
 
@@ -142,3 +149,105 @@ def test_bf16_without_torch_distributed_is_refused():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="needs torch.distributed"):
         TrainCore(bf16_cfg())
+
+
+# ---------------------------------------------------------------- heavy: Monarch trainer meshes, a vLLM engine
+
+
+def pushed(loop, trainer: Trainer) -> dict[str, torch.Tensor]:
+    """What a generator receives from `trainer`'s push of its current version: the unpacked bytes."""
+    handle = loop.run_until_complete(trainer.sync_handle(1))
+    receiver = WeightReceiver(handle, rank=0)
+    try:
+        wv = loop.run_until_complete(trainer.push_weights())
+        loop.run_until_complete(receiver.pull(wv.version))
+        seg = Segment(receiver.staged_segment(wv.version), handle.plan.total_bytes, create=False)
+        got = {k: v.clone() for k, v in handle.plan.unpack(seg.data, wv.version)}
+        seg.close()
+    finally:
+        receiver.close()
+    assert {e.dtype for e in handle.plan.entries} == {"bfloat16"}
+    return got
+
+
+@pytest.mark.slow
+def test_bf16_two_rank_fsdp_push_matches_one_rank(loop, tmp_path):
+    """1 rank (FSDP2 over a mesh of one) and 2 ranks take the same bf16-compute step: the same loss
+    within bf16 rounding, and pushed bf16 weights within one bf16 step of each other (the ranks' bf16
+    partial gradients round apart, AdamW's g / (|g| + eps) keeps that near lr)."""
+    batch = make_batch(build_model(model_dir(ModelConfig()))[0], n=6, mu_noise=0.2, seed=3)
+
+    def cfg(ranks: int) -> Config:
+        return Config(model=ModelConfig(dtype="bfloat16"), trainer=TrainerConfig(num_ranks=ranks, lr=1e-3,
+                                                                                 init_timeout_s=60))
+
+    one, two = gather(loop, Trainer.start(cfg(1), name="b1"), Trainer.start(cfg(2), name="b2"))
+    try:
+        w0 = pushed(loop, one)
+        m1, m2 = gather(loop, one.train_step(batch), two.train_step(batch))
+        w1, w2 = pushed(loop, one), pushed(loop, two)
+        loop.run_until_complete(one.export_hf(str(tmp_path / "one")))
+        exported = load_file(str(tmp_path / "one" / "model.safetensors"))
+    finally:
+        gather(loop, one.close(), two.close())
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-2, abs=1e-4)
+    assert all(torch.equal(exported[k], w1[k]) for k in w1)  # the export is the push
+    differ = total = 0
+    for k in w1:
+        assert w1[k].dtype == torch.bfloat16
+        torch.testing.assert_close(w2[k].float(), w1[k].float(), rtol=1e-2, atol=2e-3, msg=k)
+        differ += int((w1[k] != w2[k]).sum())
+        total += w1[k].numel()
+    assert differ <= 0.05 * total, f"{differ} of {total} pushed weights differ"
+    assert sum(int((w1[k] != w0[k]).sum()) for k in w1) > 0.5 * total  # the step moved them
+
+
+@pytest.mark.slow
+def test_vllm_serves_exactly_the_bf16_cast_of_the_master(one_rank, tiny_dir, loop):
+    """A bf16 engine loaded by a push from a bf16 TrainCore holds master.to(bf16), bit for bit (read
+    back from the engine's own parameters; fused projections are the HF tensors concatenated)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc carries `served` below
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    core = TrainCore(bf16_cfg(lr=1e-6))
+    steps(core, 3)
+    want = {k: v.to(torch.bfloat16) for k, v in export_hf(core.model, core.adapter).items()}
+    args = AsyncEngineArgs(model=str(tiny_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
+                           **vllm_engine_kwargs())
+
+    async def start():
+        return AsyncLLM.from_engine_args(args)
+
+    llm = loop.run_until_complete(start())
+    sender = WeightSender(WeightSyncConfig(transport="shm", bucket_mb=1, timeout_s=60), core.state.hf_meta(), 1)
+    receiver = WeightReceiver(sender.handle(), rank=0)
+    try:
+        async def sync():
+            await asyncio.gather(sender.push(core.state.hf_state_dict(), 1), receiver.pull(1))
+            await load_into_vllm(llm, receiver, 1, timeout_s=60)
+            return await llm.collective_rpc(served)
+
+        got = loop.run_until_complete(sync())[0]
+    finally:
+        receiver.close()
+        sender.close()
+        stop_engine(llm)
+    fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+    for name, t in got.items():
+        for f, parts in fused.items():
+            if f in name:
+                pre = name.split(f)[0]
+                part = "self_attn" if f.startswith("self_attn") else "mlp"
+                expect = torch.cat([want[f"{pre}{part}.{p}.weight"] for p in parts])
+                break
+        else:
+            expect = want[name]
+        assert t.dtype == torch.bfloat16 and torch.equal(t, expect), name
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= got.keys()
+
+
+def served(worker) -> dict[str, torch.Tensor]:
+    """In the engine's worker: its model's parameters as served."""
+    return {n: p.detach().cpu().clone() for n, p in worker.model_runner.get_model().named_parameters()}
