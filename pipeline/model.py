@@ -243,6 +243,10 @@ def save_hf_checkpoint(model: torch.nn.Module, adapter, src_dir: Path, out_dir: 
             shutil.copy2(f, out_dir / f.name)
     sd = {k: v.contiguous().cpu().clone() for k, v in export_hf(model, adapter, dtype).items()}
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if dtype is not None:  # config.json names the dtype the weights are in (HF's torch_dtype="auto" reads it)
+        conf = json.loads((out_dir / "config.json").read_text())
+        (out_dir / "config.json").write_text(json.dumps({**conf, "torch_dtype": str(dtype).removeprefix("torch.")},
+                                                        indent=2))
     return out_dir
 
 

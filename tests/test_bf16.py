@@ -5,6 +5,7 @@ the trainer actor sets up), and pushes / exports that are exactly the master cas
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -96,6 +97,7 @@ def test_bf16_export_writes_the_master_cast_to_bf16(one_rank, tmp_path):
     written = load_file(str(tmp_path / "hf" / "model.safetensors"))
     want = export_hf(core.model, core.adapter)
     assert written.keys() == want.keys()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert all(torch.equal(written[k], want[k].to(torch.bfloat16)) for k in want)
 
 
@@ -195,7 +197,7 @@ def test_bf16_two_rank_fsdp_push_matches_one_rank(loop, tmp_path):
     differ = total = 0
     for k in w1:
         assert w1[k].dtype == torch.bfloat16
-        torch.testing.assert_close(w2[k].float(), w1[k].float(), rtol=1e-2, atol=2e-3, msg=k)
+        torch.testing.assert_close(w2[k].float(), w1[k].float(), rtol=1e-2, atol=3e-3, msg=k)
         differ += int((w1[k] != w2[k]).sum())
         total += w1[k].numel()
     assert differ <= 0.05 * total, f"{differ} of {total} pushed weights differ"

@@ -114,7 +114,8 @@ class Parallel:
             dp = self.mesh["fsdp"]
             for block in model.layers.values():
                 fully_shard(block, mesh=dp, mp_policy=mp)
-            fully_shard(model, mesh=dp, mp_policy=mp)
+            # a frozen model never runs a backward, which is what reshards a root left gathered after its forward
+            fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=True if frozen else None)
         return model, adapter
 
     def _tensor_parallel(self, model: torch.nn.Module, conf: dict) -> None:

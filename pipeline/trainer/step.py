@@ -19,6 +19,9 @@ because FSDP2 averages gradients across ranks; the sum of shard gradients then e
 single-rank gradient. Every rank runs the same number of micro-batches per minibatch, computed from
 the global minibatch size (an empty one runs a zero-weighted row), so FSDP collectives always pair up.
 
+Precision: model.dtype is the compute dtype and the generators'; the optimizer steps float32
+master weights (parallel.py), and pushes and exports are cast to model.dtype (state.py).
+
 Contract: every public method is a collective: every rank calls it with the same arguments (the full
 Batch; each rank takes its shard), in the same order, and gets the same metrics. A refused or skipped
 step (pipeline/trainer/errors.py) raises on every rank alike and leaves the version where it was and
