@@ -5,6 +5,7 @@ the trainer actor sets up), and pushes / exports that are exactly the master cas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 
@@ -19,11 +20,12 @@ from actors.trainer import Trainer
 from pipeline.generator.engine import stop_engine
 from pipeline.model import build_model, export_hf, model_dir
 from pipeline.trainer.parallel import local, resharded
-from pipeline.trainer.step import TrainCore
+from pipeline.trainer.snapshots import Proximal
+from pipeline.trainer.step import TrainCore, minibatch_plan
 from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs
 from pipeline.weightsync.segment import Segment
 from tests.test_trainer import gather
-from tests.test_trainer_core import make_batch
+from tests.test_trainer_core import make_batch, replace
 
 
 @pytest.fixture()
@@ -38,7 +40,8 @@ def one_rank():
 
 
 def bf16_cfg(**trainer) -> Config:
-    on_update = "abort" if "lora" in trainer else "keep"  # LoRA adapters switch between requests only
+    # LoRA adapters switch between requests only; mis_balance needs each sample from one version
+    on_update = "abort" if "lora" in trainer else "drain" if "correction" in trainer else "keep"
     return Config(model=ModelConfig(dtype="bfloat16"), generator=GeneratorConfig(on_update=on_update),
                   trainer=TrainerConfig(**trainer))
 
@@ -134,6 +137,29 @@ def test_bf16_kl_reference_is_the_bf16_cast_of_the_warm_started_master(one_rank,
     back = TrainCore(bf16_cfg(lr=1e-4, kl_coef=0.1))
     back.load(tmp_path / "ck")
     assert all(torch.equal(local(p), ref[n]) for n, p in resharded(back.ref_model).named_parameters())
+
+
+def test_bf16_mis_balance_snapshots_are_bf16_and_the_master_is_put_back_exactly(one_rank):
+    cfg = bf16_cfg(lr=1e-4, correction="mis_balance")
+    cfg = dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, max_staleness=3))
+    core = TrainCore(cfg)
+    masters = {}
+    for v in range(2):
+        masters[v] = master(core)
+        core.train_step(make_batch(core.model, seed=v))
+    b = make_batch(core.model, seed=7, mu_noise=0.2)
+    ver = torch.where(b.loss_mask > 0, 1, -1).long()
+    ver[:3][b.loss_mask[:3] > 0] = 0
+    b = replace(b, versions=ver, trainer_version=2)
+    live = master(core)
+    prox = Proximal(b.loss_mask[:, 1:].shape, core.device, cfg.trainer)
+    m = core.snapshots.balance_mixture(core.version, b, minibatch_plan(6, 1, 1, 0, 0), prox)
+    assert m["mis_balance/versions"] == 2 and m["mis_balance/fallback"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(live.values(), master(core).values()))
+    for v in (0, 1):
+        assert all(w.dtype == torch.bfloat16 and torch.equal(w, want.bfloat16())
+                   for w, want in zip(core.snapshots.weights[v], masters[v].values()))
+    core.train_step(b)
 
 
 def test_bf16_lora_adapters_train_in_fp32_over_a_bf16_base(one_rank):
