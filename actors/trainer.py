@@ -141,8 +141,9 @@ class TrainerActor(Actor):
 
     @endpoint
     async def push_weights(self) -> WeightVersion | None:
-        """Gather full HF tensors in model.dtype, the engines' (every rank casts its float32 master shards,
-        then gathers); rank 0 packs them as the current version and starts the transfer. Returns once the snapshot is packed: the next train_step may run while receivers read."""
+        """Gather full HF tensors in model.dtype, the engines' (every rank casts its float32 master
+        shards, then gathers); rank 0 packs them as the current version and starts the transfer.
+        Returns once the snapshot is packed: the next train_step may run while receivers read."""
         core = self._c()
         sd = core.state.hf_state_dict()
         if core.par.rank != 0:
