@@ -284,7 +284,7 @@ def test_vllm_serves_exactly_the_bf16_cast_of_the_master(one_rank, tiny_dir, loo
     model.load_state_dict(adapter.from_hf(dict(want)), strict=False)
     with torch.no_grad():
         ref = token_logprobs(model, torch.tensor([ids]))[0]
-    assert (after - ref).abs().max().item() <= 5e-2, (after, ref)
+    assert (after - ref).abs().max().item() <= 2e-2, (after, ref)  # bf16 kernels apart (4e-3 measured)
     assert (after - before).abs().max().item() > 5e-2, "vLLM still serves the old weights"
 
 
