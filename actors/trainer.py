@@ -124,7 +124,8 @@ class TrainerActor(Actor):
 
     @endpoint
     async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):
-        """Rank 0 builds the WeightSender from HF-named metadata; returns its handle (None elsewhere).
+        """Rank 0 builds the WeightSender from HF-named metadata (in model.dtype, what the engines load);
+        returns its handle (None elsewhere).
         `host`: the address receivers reach rank 0's host at (collective); `ws_cfg`: the transport
         (default: this trainer's weight_sync). A second call replaces the sender. Every rank must
         take part: torchtitan's fused-QKV state-dict hook gathers DTensors."""
@@ -140,8 +141,9 @@ class TrainerActor(Actor):
 
     @endpoint
     async def push_weights(self) -> WeightVersion | None:
-        """Gather full HF tensors (every rank); rank 0 packs them as the current version and starts the
-        transfer. Returns once the snapshot is packed: the next train_step may run while receivers read."""
+        """Gather full HF tensors in model.dtype, the engines' (every rank casts its float32 master
+        shards, then gathers); rank 0 packs them as the current version and starts the transfer.
+        Returns once the snapshot is packed: the next train_step may run while receivers read."""
         core = self._c()
         sd = core.state.hf_state_dict()
         if core.par.rank != 0:

@@ -50,14 +50,15 @@ def _hook(module: torch.nn.Module, inputs, output):
     return output + module.lora_scale * F.linear(F.linear(x, module.lora_A), module.lora_B)
 
 
-def apply_lora(model: torch.nn.Module, lcfg: "LoraConfig") -> None:
-    """Freeze every parameter of `model` and add trainable adapters to the target Linears."""
+def apply_lora(model: torch.nn.Module, lcfg: "LoraConfig", dtype: torch.dtype | None = None) -> None:
+    """Freeze every parameter of `model` and add trainable adapters to the target Linears, stored in
+    `dtype` (default: the base weight's; the trainer keeps them float32 over a bf16 base)."""
     model.requires_grad_(False)
     for block in model.layers.values():
         for t in _targets(lcfg):
             lin = block.get_submodule(LORA_TARGETS[t])
             out_f, in_f = lin.weight.shape
-            a = torch.empty(lcfg.rank, in_f, dtype=lin.weight.dtype, device=lin.weight.device)
+            a = torch.empty(lcfg.rank, in_f, dtype=dtype or lin.weight.dtype, device=lin.weight.device)
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's init of A; B starts at 0
             lin.register_parameter("lora_A", torch.nn.Parameter(a))
             lin.register_parameter("lora_B", torch.nn.Parameter(a.new_zeros(out_f, lcfg.rank)))

@@ -215,17 +215,25 @@ def build_model(hf_dir: Path, device: str | torch.device = "cpu", dtype: torch.d
     return model.to(device=device, dtype=dtype), adapter
 
 
-def export_hf(model: torch.nn.Module, adapter) -> dict[str, torch.Tensor]:
-    """Model weights under HF names (full tensors; DTensors are gathered)."""
+def export_hf(model: torch.nn.Module, adapter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Model weights under HF names (full tensors; DTensors are gathered), in `dtype` when given: each
+    shard is cast before its gather, so a bf16 export of float32 master weights moves half the bytes
+    and equals the full master cast to bf16 (an elementwise cast commutes with the gather)."""
     from torch.distributed.tensor import DTensor
 
-    sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-          for k, v in model.state_dict().items() if ".lora_" not in k}  # LoRA adapters: pipeline/lora.py
+    sd = {}
+    for k, v in model.state_dict().items():
+        if ".lora_" in k:  # LoRA adapters: pipeline/lora.py
+            continue
+        v = v.detach() if dtype is None else v.detach().to(dtype)
+        sd[k] = v.full_tensor() if isinstance(v, DTensor) else v
     return adapter.to_hf(sd)
 
 
-def save_hf_checkpoint(model: torch.nn.Module, adapter, src_dir: Path, out_dir: Path) -> Path:
-    """Write an HF directory vLLM can load: weights from `model`, everything else copied from `src_dir`."""
+def save_hf_checkpoint(model: torch.nn.Module, adapter, src_dir: Path, out_dir: Path,
+                       dtype: torch.dtype | None = None) -> Path:
+    """Write an HF directory vLLM can load: weights from `model` (cast to `dtype` when given),
+    everything else copied from `src_dir`."""
     import shutil
 
     out_dir = Path(out_dir)
@@ -233,8 +241,12 @@ def save_hf_checkpoint(model: torch.nn.Module, adapter, src_dir: Path, out_dir: 
     for f in Path(src_dir).iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
             shutil.copy2(f, out_dir / f.name)
-    sd = {k: v.contiguous().cpu().clone() for k, v in export_hf(model, adapter).items()}
+    sd = {k: v.contiguous().cpu().clone() for k, v in export_hf(model, adapter, dtype).items()}
     save_file(sd, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if dtype is not None:  # config.json names the dtype the weights are in (HF's torch_dtype="auto" reads it)
+        conf = json.loads((out_dir / "config.json").read_text())
+        (out_dir / "config.json").write_text(json.dumps({**conf, "torch_dtype": str(dtype).removeprefix("torch.")},
+                                                        indent=2))
     return out_dir
 
 

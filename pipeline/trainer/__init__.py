@@ -2,8 +2,8 @@
 
     step.py       TrainCore: the RL step (PPO minibatches, the loss), the SFT step, clip-and-step,
                   skipped steps; the counters a checkpoint carries
-    parallel.py   Parallel: the (fsdp, tp) mesh, the model built on it, the TP-aware grad norm and
-                  clip, the metric all-reduces
+    parallel.py   Parallel: the (fsdp, tp) mesh, the model built on it (float32 master, compute in
+                  model.dtype), the TP-aware grad norm and clip, the metric all-reduces
     snapshots.py  Proximal (π_old of a batch), GradChunks (trainer.grad_variance), Snapshots
                   (mis_balance's copies of earlier versions' weights)
     state.py      TrainerState: KL reference, HF weights and export, DCP checkpoints, RNG

@@ -15,13 +15,24 @@ act on each rank's own heads, so their gradients are summed over the tp axis bef
 (`sq_norm`, in place). Weight export gathers the DTensor shards (full_tensor), so the generators get
 the same weights as from tp = 1.
 
+Precision (model.dtype below float32, i.e. bfloat16): the trainable parameters stay float32, and so
+do their gradients and AdamW moments (the master: updates of lr 1e-6 would round to nothing in
+bf16); FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32) casts each block's
+shards to bf16 as it gathers them for the forward and backward, and reduces the gradients in
+float32 into the float32 shards, as torchtitan does. This path is taken on every rank count: one
+rank is a fully_shard over a mesh of one (no autocast anywhere). Frozen weights (the LoRA base, the
+KL reference) are stored in bf16 outright. Per trainable parameter: 4 bytes master + 4 gradient +
+8 AdamW, plus the bf16 copy of the block being computed. Pushes and HF exports are cast to
+model.dtype (state.py), so the generators get exactly master.to(bf16).
+
 Contract: `clip_grad_norm`, `sq_norm` (under tp), `all_reduce` and `barrier` are collectives: every
 rank calls them in the same order with the same keys, or the ranks hang. `build` is a collective
 when the mesh has more than one rank (FSDP2 and DTensor placement).
 
 Example:
     par = Parallel(cfg.trainer, rank, world)   # torch.distributed already initialised when world > 1
-    model, adapter = par.build(hf_dir, torch.float32, cfg.trainer.lora)
+    model, adapter = par.build(hf_dir, torch.bfloat16, cfg.trainer.lora)   # fp32 master, bf16 compute
+    ref, _ = par.build(hf_dir, torch.bfloat16, cfg.trainer.lora, frozen=True)  # bf16 storage
     loss.backward()
     norm = par.clip_grad_norm(model, cfg.trainer.grad_clip)   # the global norm, before clipping
     metrics = par.all_reduce({"loss": loss_sum}, mx=mismatch_max)
@@ -36,7 +47,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -48,6 +59,14 @@ from pipeline.model import build_model, read_hf_config
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter: a DTensor's local shard, a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def resharded(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with its parameters as this rank's shards: FSDP2 leaves the root's parameters
+    gathered (in the compute dtype) after a forward that no backward followed."""
+    if hasattr(model, "reshard"):
+        model.reshard()
+    return model
 
 
 class Parallel:
@@ -69,19 +88,34 @@ class Parallel:
             if self.distributed else None
         self.tp_group = self.mesh["tp"].get_group() if self.tp > 1 else None
 
-    def build(self, hf_dir: Path, dtype: torch.dtype, lora: LoraConfig) -> tuple[torch.nn.Module, object]:
-        """The model of `hf_dir` on this rank's device, sharded over the mesh; returns it and its
-        torchtitan state-dict adapter."""
-        model, adapter = build_model(hf_dir, self.device, dtype)
+    def build(self, hf_dir: Path, dtype: torch.dtype, lora: LoraConfig,
+              frozen: bool = False) -> tuple[torch.nn.Module, object]:
+        """The model of `hf_dir` on this rank's device, sharded over the mesh, computing in `dtype`;
+        returns it and its torchtitan state-dict adapter. Trainable parameters are float32 (the master
+        the optimizer steps); below float32 the forward and backward run in `dtype` through FSDP2's
+        MixedPrecisionPolicy (module docstring). Frozen parameters (the base under LoRA, or all of
+        them when `frozen`: the KL reference) are stored in `dtype`, since nothing updates them."""
+        mixed = dtype != torch.float32
+        if mixed and self.mesh is None:
+            raise RuntimeError(f"TrainCore: model.dtype={dtype} trains float32 master weights with {dtype} compute "
+                               "through FSDP2, which needs torch.distributed initialised (the trainer actor does "
+                               "so on every rank count, 1 included)")
+        model, adapter = build_model(hf_dir, self.device, dtype if frozen or lora.rank else torch.float32)
         if lora.rank:  # before any sharding: the adapters are parameters like the others
-            apply_lora(model, lora)
+            apply_lora(model, lora, dtype if frozen else torch.float32)
+        if frozen:
+            model.requires_grad_(False)
         if self.tp > 1:
             self._tensor_parallel(model, read_hf_config(hf_dir))
-        if self.mesh is not None and self.dp_world > 1:
+        if self.mesh is not None and (self.dp_world > 1 or mixed):
+            # reduce_dtype float32: gradients are reduced and kept in the master's precision
+            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed \
+                else MixedPrecisionPolicy()
             dp = self.mesh["fsdp"]
             for block in model.layers.values():
-                fully_shard(block, mesh=dp)
-            fully_shard(model, mesh=dp)
+                fully_shard(block, mesh=dp, mp_policy=mp)
+            # a frozen model never runs a backward, which is what reshards a root left gathered after its forward
+            fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=True if frozen else None)
         return model, adapter
 
     def _tensor_parallel(self, model: torch.nn.Module, conf: dict) -> None:

@@ -13,7 +13,10 @@ Contract:
   the current version once (the weights its generators served; a skipped batch's applied minibatch
   steps do not replace them), drops those older than buffer.max_staleness versions, scores the
   batch under each kept version it needs and puts the live weights back before it returns, also
-  when scoring raises. The copies are this rank's shards, so every rank keeps its own.
+  when scoring raises. The copies are this rank's shards, so every rank keeps its own, in the
+  compute dtype (`dtype`, model.dtype): a bf16 snapshot of the float32 master is exactly what the
+  forward of that version computed with, at half the memory; the live weights it puts back are
+  copied at full precision.
 
 Example:
     prox = Proximal(mask.shape, device, tcfg, score_ref)          # one batch
@@ -33,7 +36,7 @@ import torch
 
 from pipeline import losses
 from pipeline.config import TrainerConfig
-from pipeline.trainer.parallel import Parallel, local
+from pipeline.trainer.parallel import Parallel, local, resharded
 from pipeline.types import Batch
 
 Plan = list[tuple[torch.Tensor, list[tuple[torch.Tensor, float]]]]  # see step.minibatch_plan
@@ -99,11 +102,12 @@ class GradChunks:
 
 class Snapshots:
     """mis_balance: this rank's shards of the weights of the last `keep` versions before the current
-    one (version -> a copy of every parameter), to score each sample under every behaviour version
-    of its batch. `score` is the learner's forward at the sampling temperature on `model`."""
+    one (version -> a copy of every parameter in `dtype`), to score each sample under every
+    behaviour version of its batch. `score` is the learner's forward at the sampling temperature on
+    `model`."""
 
-    def __init__(self, model: torch.nn.Module, keep: int, score: Score) -> None:
-        self.model, self.keep, self.score = model, keep, score
+    def __init__(self, model: torch.nn.Module, keep: int, score: Score, dtype: torch.dtype) -> None:
+        self.model, self.keep, self.score, self.dtype = model, keep, score, dtype
         self.weights: dict[int, list[torch.Tensor]] = {}
 
     def balance_mixture(self, version: int, batch: Batch, plan: Plan, prox: Proximal) -> dict[str, float]:
@@ -116,7 +120,7 @@ class Snapshots:
         t0 = time.monotonic()
         self._resharded()
         if version not in self.weights:
-            self.weights[version] = self._copy()
+            self.weights[version] = self._copy(self.dtype)
         for v in [v for v in self.weights if v < version - self.keep]:
             del self.weights[v]
         mask = batch.loss_mask[:, 1:].float()
@@ -131,7 +135,7 @@ class Snapshots:
         if versions and not fallback:
             counts = torch.tensor([sum(1 for v in own if v == j) for j in versions], dtype=torch.float64)
             logq = torch.full((batch.num_samples, len(versions)), float("nan"), dtype=torch.float64)
-            live = self._copy() if len(versions) > 1 else None
+            live = self._copy(None) if len(versions) > 1 else None
             try:
                 for k, j in enumerate(versions):
                     if live is not None:  # q_j of the other versions' samples: forwards with version j's weights
@@ -156,9 +160,10 @@ class Snapshots:
                 "mis_balance/mixed_samples": float(sum(v is None for v in own)),
                 "mis_balance/score_s": time.monotonic() - t0, "mis_balance/snapshot_mb": snap_bytes / 2**20}
 
-    def _copy(self) -> list[torch.Tensor]:
+    def _copy(self, dtype: torch.dtype | None) -> list[torch.Tensor]:
+        """This rank's shards, in `dtype` (None: each parameter's own, an exact copy)."""
         with torch.no_grad():
-            return [local(p).detach().clone() for p in self.model.parameters()]
+            return [local(p).detach().to(dtype or p.dtype, copy=True) for p in self.model.parameters()]
 
     def _load(self, weights: list[torch.Tensor]) -> None:
         self._resharded()
@@ -167,7 +172,5 @@ class Snapshots:
                 local(p).copy_(w)
 
     def _resharded(self) -> None:
-        """FSDP2 may leave the root's parameters unsharded after a forward; reshard so parameters are
-        always seen as this rank's shards (what the snapshots hold)."""
-        if hasattr(self.model, "reshard"):
-            self.model.reshard()
+        """Parameters always seen as this rank's shards (what the snapshots hold; parallel.resharded)."""
+        resharded(self.model)

@@ -6,7 +6,10 @@ tensor itself and keeps no state of its own.
 Checkpoint format (what old checkpoints hold, and what `load` reads):
 - DCP keys `model.<param>`, `optim.<param>.<step|exp_avg|exp_avg_sq>` (trainable parameters only)
   and, when saved with a KL reference, `ref.<param>`; raw `named_parameters` names (DTensor shards
-  under FSDP, so a checkpoint reloads at another world size).
+  under FSDP, so a checkpoint reloads at another world size). Each tensor in its storage dtype
+  (parallel.py): trainable parameters and their moments float32 (the master), frozen ones (LoRA
+  base, reference) in model.dtype. A checkpoint saved before the float32 master (model.dtype=bfloat16
+  held everything in bf16) loads too: DCP casts each tensor into its destination's dtype.
 - trainer_state.json (rank 0): the caller's counters (version, samples_seen, skipped_steps,
   entropy_coef), world, has_ref, the LR schedule, the optimizer's param groups and `data_state`.
 - rng_rank<r>.pt: rank r's torch/python RNG.
@@ -15,9 +18,12 @@ Contract: every method but `set_reference` is a collective (FSDP gathers in the 
 DCP, the closing barrier): every rank calls it, in the same order. In `export_hf` every rank gathers
 and rank 0 alone writes.
 
+Weights out are in model.dtype, the generators' dtype (`dtype`): a push's tensors, the plan's
+meta and an HF export are the float32 master cast to it, shard by shard before the gather.
+
 Example:
-    state = TrainerState(cfg.trainer, par, hf_dir, model, adapter, ref_model, optimizer, scheduler)
-    sd = state.hf_state_dict()                     # a weight push (adapters only under LoRA)
+    state = TrainerState(cfg.trainer, par, hf_dir, model, adapter, ref_model, optimizer, scheduler, torch.bfloat16)
+    sd = state.hf_state_dict()                     # a weight push in bf16 (adapters only under LoRA)
     state.export_hf(out_dir)                       # vLLM-loadable HF directory
     state.save(path, {"version": 3, ...}, data_state)
     saved = state.load(path)                       # trainer_state.json, tensors restored in place
@@ -37,7 +43,7 @@ from pipeline.checkpoint import rng_state, set_rng_state
 from pipeline.config import TrainerConfig
 from pipeline.lora import merge_into_hf, peft_state_dict, write_peft
 from pipeline.model import export_hf, read_hf_config, save_hf_checkpoint
-from pipeline.trainer.parallel import Parallel
+from pipeline.trainer.parallel import Parallel, local, resharded
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +53,20 @@ class TrainerState:
 
     def __init__(self, tcfg: TrainerConfig, par: Parallel, hf_dir: Path, model: torch.nn.Module, adapter: object,
                  ref_model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
-        self.tcfg, self.par, self.hf_dir = tcfg, par, hf_dir
+                 scheduler: torch.optim.lr_scheduler.LambdaLR, dtype: torch.dtype) -> None:
+        self.tcfg, self.par, self.hf_dir, self.dtype = tcfg, par, hf_dir, dtype
         self.model, self.adapter, self.ref_model = model, adapter, ref_model
         self.optimizer, self.scheduler = optimizer, scheduler
 
     def set_reference(self) -> bool:
-        """Make the current weights the KL reference (after the supervised warm start); False when
-        there is no reference (trainer.kl_coef = 0)."""
+        """Make the current weights the KL reference (after the supervised warm start), cast to the
+        reference's dtype; False when there is no reference (trainer.kl_coef = 0). Both models are
+        sharded alike (parallel.py), so each rank copies its own shards."""
         if self.ref_model is None:
             return False
         with torch.no_grad():
-            for r, p in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
-                r.copy_(p)
+            for r, p in zip(resharded(self.ref_model).parameters(), resharded(self.model).parameters(), strict=True):
+                local(r).copy_(local(p))
         return True
 
     # ------------------------------------------------------------------ weights out
@@ -69,16 +76,21 @@ class TrainerState:
         FSDP: torchtitan's fused-QKV state_dict hook gathers, so every rank must call it."""
         if self.tcfg.lora.rank:  # a push carries the adapters only
             return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.hf_state_dict().items()}
-        sd = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self.model.state_dict().items()
+        sd = {k: torch.empty(v.shape, dtype=self.dtype, device="meta") for k, v in self.model.state_dict().items()
               if ".lora_" not in k}
         return self.adapter.to_hf(sd)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """What a weight push carries: full HF-named tensors, or with LoRA the adapters alone under
-        PEFT names (pipeline/lora.py); a collective under FSDP, so every rank must call it."""
+        """What a weight push carries, in model.dtype: full HF-named tensors, or with LoRA the
+        adapters alone under PEFT names (pipeline/lora.py); a collective under FSDP, so every rank
+        must call it."""
         if self.tcfg.lora.rank:
-            return peft_state_dict(self.model, read_hf_config(self.hf_dir), self.tcfg.lora)
-        return export_hf(self.model, self.adapter)
+            return {k: v.to(self.dtype) for k, v in self._peft().items()}
+        return export_hf(self.model, self.adapter, self.dtype)
+
+    def _peft(self) -> dict[str, torch.Tensor]:
+        """The adapters under PEFT names in their float32 master precision (collective under FSDP)."""
+        return peft_state_dict(self.model, read_hf_config(self.hf_dir), self.tcfg.lora)
 
     def export_hf(self, out_dir: str | Path, merged: bool = False) -> str:
         """Write a vLLM-loadable HF directory. Collective: every rank gathers, rank 0 writes. With
@@ -86,17 +98,18 @@ class TrainerState:
         generator started on out_dir serves (a restart, the warm start); `merged`: base + adapters
         merged into the weights instead (a model any HF or vLLM loader serves as is)."""
         lcfg = self.tcfg.lora
-        peft = self.hf_state_dict() if lcfg.rank else None  # collective: before rank 0's writes
+        peft = self._peft() if lcfg.rank else None  # collective: before rank 0's writes
         if self.par.rank == 0:
-            save_hf_checkpoint(self.model, self.adapter, self.hf_dir, Path(out_dir))
-            if peft is not None and merged:
+            save_hf_checkpoint(self.model, self.adapter, self.hf_dir, Path(out_dir), self.dtype)
+            if peft is not None and merged:  # merged from the float32 adapters, then cast to the base's dtype
                 path = Path(out_dir) / "model.safetensors"
                 save_file({k: v.contiguous() for k, v in merge_into_hf(load_file(str(path)), peft, lcfg).items()},
                           str(path), metadata={"format": "pt"})
             elif peft is not None:
-                write_peft(Path(out_dir) / "adapter", peft, lcfg, str(self.hf_dir))
+                write_peft(Path(out_dir) / "adapter", {k: v.to(self.dtype) for k, v in peft.items()}, lcfg,
+                           str(self.hf_dir))
         else:
-            export_hf(self.model, self.adapter)  # pairs with rank 0's gathers inside save_hf_checkpoint
+            export_hf(self.model, self.adapter, self.dtype)  # pairs with rank 0's gathers in save_hf_checkpoint
         self.par.barrier()
         return str(out_dir)
 
@@ -108,7 +121,7 @@ class TrainerState:
         run started from). Raw `named_parameters`, not `state_dict()`: torchtitan's fused-QKV
         state-dict hooks rename keys, which torch's get_state_dict cannot map back to parameters."""
         out: dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
+        for name, p in resharded(self.model).named_parameters():
             out[f"model.{name}"] = p.detach()
             if not p.requires_grad:  # frozen (the base under LoRA): no optimizer state
                 continue
@@ -119,7 +132,7 @@ class TrainerState:
             for k, v in st.items():
                 out[f"optim.{name}.{k}"] = v
         if with_ref:
-            out.update({f"ref.{name}": p.detach() for name, p in self.ref_model.named_parameters()})
+            out.update({f"ref.{name}": p.detach() for name, p in resharded(self.ref_model).named_parameters()})
         return out
 
     def save(self, path: str | Path, counters: dict[str, float], data_state: dict | None) -> str:

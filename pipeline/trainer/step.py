@@ -19,6 +19,9 @@ because FSDP2 averages gradients across ranks; the sum of shard gradients then e
 single-rank gradient. Every rank runs the same number of micro-batches per minibatch, computed from
 the global minibatch size (an empty one runs a zero-weighted row), so FSDP collectives always pair up.
 
+Precision: model.dtype is the compute dtype and the generators'; the optimizer steps float32
+master weights (parallel.py), and pushes and exports are cast to model.dtype (state.py).
+
 Contract: every public method is a collective: every rank calls it with the same arguments (the full
 Batch; each rank takes its shard), in the same order, and gets the same metrics. A refused or skipped
 step (pipeline/trainer/errors.py) raises on every rank alike and leaves the version where it was and
@@ -83,23 +86,23 @@ class TrainCore:
         torch.manual_seed(cfg.run.seed)
         hf_dir = model_dir(cfg.model)
         self.vocab_size = int(read_hf_config(hf_dir)["vocab_size"])
+        # model.dtype is the compute dtype and the generators'; the trained weights stay float32 (parallel.py)
         dtype = getattr(torch, cfg.model.dtype)
         self.model, self.adapter = self.par.build(hf_dir, dtype, self.tcfg.lora)
         self.ref_model = None
         if self.tcfg.kl_coef > 0:  # frozen reference for the KL penalty: initial policy until set_reference
-            self.ref_model, _ = self.par.build(hf_dir, dtype, self.tcfg.lora)
-            self.ref_model.requires_grad_(False)
+            self.ref_model, _ = self.par.build(hf_dir, dtype, self.tcfg.lora, frozen=True)
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.tcfg.lr,
                                            weight_decay=self.tcfg.weight_decay)
         warm = self.tcfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / (warm + 1)) if warm else 1.0)
         self.state = TrainerState(self.tcfg, self.par, hf_dir, self.model, self.adapter, self.ref_model,
-                                  self.optimizer, self.scheduler)
+                                  self.optimizer, self.scheduler, dtype)
         # The sampler's logprobs are of the temperature-scaled distribution it sampled from
         # (generator.logprobs_mode=processed, enforced by Config), so the learner scores the same.
         self.temperature = cfg.generator.temperature
-        self.snapshots = Snapshots(self.model, cfg.buffer.max_staleness, self._scorer(self.model))
+        self.snapshots = Snapshots(self.model, cfg.buffer.max_staleness, self._scorer(self.model), dtype)
         # the counters trainer_state.json carries (save / load)
         self.version = self.samples_seen = self.skipped_steps = 0
         self.entropy_coef = self.tcfg.entropy_coef  # adapted after each step when trainer.entropy_target > 0
