@@ -19,11 +19,29 @@ class TaskConfig:
     finite train split (pipeline/tasks/__init__.py)."""
     eval_prompts: int = 32
     """Held-out prompts scored for the learning curve (0..100000); a shorter eval split is used whole."""
+    eval_samples: int = 4
+    """n: completions sampled per eval prompt at generator.temperature (1..1024), besides the greedy one;
+    eval/reward is their mean reward, eval/pass@k and eval/mean@k are estimated from them."""
+    eval_k: int = 4
+    """k of eval/pass@k (the unbiased estimator over the n = task.eval_samples samples of a prompt: the
+    chance that at least one of k samples gets full reward) and eval/mean@k (1..task.eval_samples)."""
     path: str = ""
     """Data file of a file-based task (pipeline.tasks.jsonl: its train split, one JSON object per line);
     empty for tasks that need none. Must exist; read relative to the working directory, kept absolute."""
     eval_path: str = ""
-    """Eval split file of a file-based task (pipeline.tasks.jsonl); empty: no eval split. Must exist if set."""
+    """Eval split file of a file-based task (pipeline.tasks.jsonl, pipeline.tasks.dataset); empty: no eval
+    split. Must exist if set."""
+    prompt_column: str = "question"
+    """pipeline.tasks.dataset: the column holding each row's prompt (a string)."""
+    answer_column: str = "answer"
+    """pipeline.tasks.dataset: the column holding each row's reference answer (a string or a number; a
+    GSM8K-style solution ending in `#### 72` too), which the grader scores completions against."""
+    solution_column: str = ""
+    """pipeline.tasks.dataset: the column holding a worked solution, the demonstration of the warm start
+    (run.warm_start_steps); empty: the task has none. GSM8K's answer column is one: solution_column=answer."""
+    grader: str = "pipeline.tasks.graders.math"
+    """pipeline.tasks.dataset: dotted path of `grade(completion, reference) -> float` (pipeline/tasks/graders.py:
+    math, the boxed or last number checked with math-verify; exact, the exact string)."""
     reward_timeout_s: float = 30.0
     """Seconds one reward call may run (> 0); past it the sample is rejected as reward_timeout."""
     reward_workers: int = 4
@@ -51,6 +69,12 @@ class TaskConfig:
     def __post_init__(self) -> None:
         check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")
         check(0 <= self.eval_prompts <= 100000, "task.eval_prompts", self.eval_prompts, "0..100000")
+        check(1 <= self.eval_samples <= 1024, "task.eval_samples", self.eval_samples, "1..1024")
+        check(1 <= self.eval_k <= self.eval_samples, "task.eval_k", self.eval_k,
+              f"1..task.eval_samples ({self.eval_samples}): pass@k needs at least k samples per prompt")
+        for key in ("prompt_column", "answer_column"):
+            check(bool(getattr(self, key)), f"task.{key}", getattr(self, key), "a column name")
+        check("." in self.grader, "task.grader", self.grader, "a dotted path like 'pipeline.tasks.graders.math'")
         check(self.reward_timeout_s > 0, "task.reward_timeout_s", self.reward_timeout_s, "> 0")
         check(1 <= self.reward_workers <= 256, "task.reward_workers", self.reward_workers, "1..256")
         check(0 < self.max_reject_frac <= 1, "task.max_reject_frac", self.max_reject_frac, "0 < x <= 1")
@@ -62,6 +86,7 @@ class TaskConfig:
         for key in ("path", "eval_path"):
             value = getattr(self, key)
             if value:  # absolute: every process (generators, buffer) reads the same file whatever its cwd
-                check(Path(value).is_file(), f"task.{key}", value, "an existing file (or empty)")
+                check(Path(value).is_file(), f"task.{key}", value,
+                      "an existing local file (or empty); nothing is fetched from a dataset hub")
                 setattr(self, key, str(Path(value).resolve()))
 

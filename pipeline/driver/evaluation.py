@@ -1,7 +1,9 @@
 """Held-out evaluation on a generator, scored by the task's reward.
 
     ev = Evaluation(cfg, task, fleet, report=supervisor.report)
-    metrics = await ev.evaluate()     # eval/reward, eval/reward_greedy, eval/skipped_prompts, eval/rejected/*
+    metrics = await ev.evaluate()     # eval/reward, eval/reward_greedy, eval/pass@k, eval/mean@k,
+                                      # eval/skipped_prompts, eval/rejected/*
+    pass_at_k(n=10, c=3, k=4)         # 1 - C(7, 4)/C(10, 4) = 0.8333...
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from math import comb
 from typing import Any, Callable
 
 from pipeline.config import Config
@@ -19,15 +22,34 @@ from pipeline.tasks import RewardRejected, take
 
 log = logging.getLogger(__name__)
 
-EVAL_SAMPLES = 4
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate (Chen et al. 2021) of the chance that at least one of k samples drawn
+    without replacement from n, c of them correct, is correct: 1 - C(n-c, k) / C(n, k). Needs n >= k."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: n={n}, c={c}, k={k}; need 0 <= c <= n and 1 <= k <= n")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def at_k(per_prompt: list[list[float]], k: int) -> dict[str, float]:
+    """eval/pass@k and eval/mean@k over prompts, each given the usable rewards of its samples. A
+    sample passes with full reward (>= 1; rewards are in [0, 1]). mean@k is a prompt's mean reward
+    (the expected mean of k of its samples), averaged over prompts. A prompt with fewer than k usable
+    samples (rejected or skipped) is left out of both; NaN if no prompt is left."""
+    full = [r for r in per_prompt if len(r) >= k]
+    if not full:
+        return {"eval/pass@k": float("nan"), "eval/mean@k": float("nan")}
+    return {"eval/pass@k": sum(pass_at_k(len(r), sum(x >= 1.0 for x in r), k) for r in full) / len(full),
+            "eval/mean@k": sum(sum(r) / len(r) for r in full) / len(full)}
 
 
 class Evaluation:
     """Contract: `evaluate` runs the task's held-out prompts (task.eval_prompts) on the first live
     generator; one that fails is reported (`report(i, error)`, to its supervisor) and the next live
-    one is tried. `eval/reward` samples EVAL_SAMPLES completions per prompt at the training
+    one is tried. `eval/reward` samples task.eval_samples (n) completions per prompt at the training
     temperature (the policy's expected reward, what RL optimises); `eval/reward_greedy` is the
-    greedy completion's reward. Faults stay local: prompts a generator could not serve come back
+    greedy completion's reward; `eval/pass@k` and `eval/mean@k` (k = task.eval_k) are estimated from
+    each prompt's n samples (`at_k`). Faults stay local: prompts a generator could not serve come back
     None (counted as skipped), completions whose reward cannot be used are counted by reason and left
     out of the mean. The caller decides which weights are evaluated (the eval hook first waits for
     the push in flight).
@@ -44,7 +66,7 @@ class Evaluation:
     async def evaluate(self) -> dict[str, float]:
         cfg = self.cfg
         items = take(self.task, cfg.task.seed, "eval", cfg.task.eval_prompts)
-        prompts = [i.prompt for i in items]
+        prompts, samples = [i.prompt for i in items], cfg.task.eval_samples
         n = cfg.generator.max_new_tokens
         live = self.fleet.live_generators()
         for k, (i, slot) in enumerate(live):  # a generator dying meanwhile: the next
@@ -52,7 +74,7 @@ class Evaluation:
             try:  # the items, not just their prompts: a multi-turn task's environment gets them as in training
                 greedy = await call_within("generate_eval", gen.generate_eval.call_one(items, n))
                 sampled = await call_within("generate_eval", gen.generate_eval.call_one(
-                    items * EVAL_SAMPLES, n, cfg.generator.temperature, cfg.task.seed))
+                    items * samples, n, cfg.generator.temperature, cfg.task.seed))
                 break
             except Exception as e:
                 if k == len(live) - 1:
@@ -64,18 +86,24 @@ class Evaluation:
         scorer = RewardScorer(self.task, cfg.task.reward_timeout_s, cfg.task.reward_workers)
         rejected: Counter = Counter()
 
-        async def one(prompt: str, completion: str) -> float | None:
+        async def one(prompt: str, completion: str | None) -> float | None:  # None: skipped or rejected
+            if completion is None:  # the generator could not serve the prompt
+                return None
             try:
                 return await scorer.score(prompt, completion)
             except RewardRejected as e:
                 rejected[e.reason] += 1
                 return None
 
-        async def score(outs: list) -> float:
-            got = await asyncio.gather(*(one(p, o) for p, o in zip(prompts * EVAL_SAMPLES, outs) if o is not None))
-            ok = [r for r in got if r is not None]
+        async def score(outs: list) -> list[float | None]:
+            return await asyncio.gather(*(one(p, o) for p, o in zip(prompts * samples, outs)))
+
+        def mean(rewards: list[float | None]) -> float:
+            ok = [r for r in rewards if r is not None]
             return sum(ok) / len(ok) if ok else float("nan")
 
-        out = {"eval/reward": await score(sampled), "eval/reward_greedy": await score(greedy),
-               "eval/skipped_prompts": float(sum(o is None for o in greedy))}
+        sampled_r, greedy_r = await score(sampled), await score(greedy)
+        per_prompt = [[r for r in sampled_r[i::len(items)] if r is not None] for i in range(len(items))]
+        out = {"eval/reward": mean(sampled_r), "eval/reward_greedy": mean(greedy_r),
+               "eval/skipped_prompts": float(sum(o is None for o in greedy))} | at_k(per_prompt, cfg.task.eval_k)
         return out | {f"eval/rejected/{k}": float(v) for k, v in sorted(rejected.items())}

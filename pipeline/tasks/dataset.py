@@ -1,0 +1,132 @@
+"""Built-in task: problems from local dataset files (parquet, JSONL, arrow) read with Hugging Face
+`datasets`, scored by a grader named in config (pipeline/tasks/graders.py).
+
+    python -m pipeline.run --config configs/tiny.yaml task.name=pipeline.tasks.dataset \\
+        task.path=examples/gsm8k_style.jsonl task.eval_path=examples/gsm8k_style_eval.jsonl \\
+        task.solution_column=answer
+
+Files: `task.path` is the train split, `task.eval_path` (optional) the eval split, each read with
+`datasets.load_dataset(<format>, data_files=<file>)`, the format from the file's suffix (.parquet;
+.jsonl or .json; .arrow, an Arrow stream file as `datasets` writes). Only local files: the config
+refuses a path that is not an existing file (a hub name like `openai/gsm8k` too), and nothing is
+downloaded. Columns (config keys): `task.prompt_column` (default `question`) holds the prompt, a
+non-empty string; `task.answer_column` (default `answer`) the reference, a string or a number;
+`task.solution_column` (default empty) a worked solution, the demonstration (so the warm start
+works; the task has no `demonstration` without it). GSM8K's files have `question` and `answer` (a
+solution ending in `#### 72`), so the defaults read them and `task.solution_column=answer` gives
+the warm start its solutions. A missing column fails at load naming the file and the columns it
+has; a bad value (a missing or non-string prompt, a missing answer) names the file and row (rows
+count from 0, as `dataset[i]`). Prompts are strings: a column of chat messages is refused.
+
+Reward: the grader (`task.grader`, default pipeline.tasks.graders.math) of the completion against
+the prompt's reference, looked up by prompt, so a prompt has one reference across both files (a
+repeat with the same one is kept, another fails at load naming both rows).
+
+`prompts` returns a tuple: PromptStream shuffles every epoch, the first included, and the files are
+read once per process (`datasets` caches the Arrow conversion under HF_DATASETS_CACHE).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+
+from pipeline.config import TaskConfig
+from pipeline.tasks import TaskError
+from pipeline.tasks.graders import Grader, load_grader
+from pipeline.types import PromptItem
+
+__all__ = ["DatasetTask", "Row", "from_config", "read_rows", "FORMATS"]
+
+NAME = "pipeline.tasks.dataset"
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
+
+Row = tuple[PromptItem, str | None, str]  # (item, solution, where)
+
+
+def from_config(cfg: TaskConfig) -> "DatasetTask":
+    if not cfg.path:
+        raise TaskError(f"task {NAME!r}: task.path is empty; set it to a local .parquet, .jsonl or .arrow file "
+                        "(e.g. examples/gsm8k_style.jsonl)")
+    columns = {"task.prompt_column": cfg.prompt_column, "task.answer_column": cfg.answer_column}
+    if cfg.solution_column:
+        columns["task.solution_column"] = cfg.solution_column
+    return DatasetTask(cfg.path, cfg.eval_path, columns, load_grader(cfg.grader))
+
+
+def load(path: Path) -> datasets.Dataset:
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise TaskError(f"task {NAME!r}: {path}: unknown format {path.suffix!r}; a file ending in "
+                        f"{', '.join(FORMATS)}")
+    bars_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # every process loads the files: one bar each is noise
+    try:
+        return datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as e:  # the reader's own error (bad JSON, not parquet, ...), whatever its type
+        raise TaskError(f"task {NAME!r}: cannot read {path} as {fmt}: {type(e).__name__}: {e}") from None
+    finally:
+        if bars_on:
+            datasets.enable_progress_bars()
+
+
+def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0) -> list[Row]:
+    """(item, solution or None, where) per row of `path`; `columns` maps config key -> column name
+    (prompt, answer and optionally solution, in that order). TaskError names the file and row."""
+    path = Path(path)
+    ds = load(path)
+    missing = [f"{c!r} ({key})" for key, c in columns.items() if c not in ds.column_names]
+    if missing:
+        raise TaskError(f"{path}: no column {', '.join(missing)}; its columns: {', '.join(ds.column_names)}")
+    data = ds.select_columns(list(dict.fromkeys(columns.values()))).to_dict()
+    names = list(columns.values())
+    prompts, answers = data[names[0]], data[names[1]]
+    solutions = data[names[2]] if len(names) > 2 else [None] * len(prompts)
+    rows: list[Row] = []
+    for i, (prompt, answer, solution) in enumerate(zip(prompts, answers, solutions)):
+        at = f"{path} row {i}"
+        if not isinstance(prompt, str) or not prompt:
+            raise TaskError(f"{at}: column {names[0]!r} must hold a non-empty string prompt, got "
+                            f"{type(prompt).__name__} {str(prompt)[:80]!r}" +
+                            (" (chat messages are not supported: prompts are strings)" if isinstance(prompt, list)
+                             else ""))
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise TaskError(f"{at}: column {names[1]!r} must hold the reference answer (a string or a number), "
+                            f"got {type(answer).__name__} {answer!r}")
+        if len(names) > 2 and not isinstance(solution, str):
+            raise TaskError(f"{at}: column {names[2]!r} must hold a solution string, got "
+                            f"{type(solution).__name__} {solution!r}")
+        rows.append((PromptItem(uid=first_uid + i, prompt=prompt, answer=str(answer)), solution, at))
+    return rows
+
+
+class DatasetTask:
+    def __init__(self, path: str | Path, eval_path: str | Path, columns: dict[str, str], grader: Grader):
+        train = read_rows(path, columns)
+        evals = read_rows(eval_path, columns, first_uid=len(train)) if eval_path else []
+        self.grade = grader
+        self._answers: dict[str, tuple[str, str]] = {}  # prompt -> (answer, where)
+        for item, _, at in train + evals:
+            seen = self._answers.setdefault(item.prompt, (item.answer, at))
+            if seen[0] != item.answer:
+                raise TaskError(f"{at}: prompt {item.prompt[:80]!r} has answer {item.answer[-80:]!r}, but "
+                                f"{seen[1]} gives it {seen[0][-80:]!r}; the reward looks answers up by prompt, "
+                                "so a prompt must have one answer")
+        self._splits = {"train": tuple(i for i, _, _ in train), "eval": tuple(i for i, _, _ in evals)}
+        if "task.solution_column" in columns:  # only then: the warm start asks for demonstration()
+            self._solutions = [s for _, s, _ in train + evals]  # by uid
+            self.demonstration = self._demonstration
+
+    def prompts(self, seed: int, split: str) -> tuple[PromptItem, ...]:
+        if split not in self._splits:
+            raise ValueError(f"task {NAME!r}: unknown split {split!r}; 'train' or 'eval'")
+        return self._splits[split]  # the order is PromptStream's (seeded shuffle per epoch)
+
+    def reward(self, prompt: str, completion: str) -> float:
+        if prompt not in self._answers:
+            raise KeyError(f"prompt {prompt[:80]!r} is in neither task.path nor task.eval_path")
+        return self.grade(completion, self._answers[prompt][0])
+
+    def _demonstration(self, item: PromptItem) -> str:
+        return self._solutions[item.uid]
