@@ -50,7 +50,9 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Tiny model shape (ignored when hf_dir is set)."""
     dtype: str = "float32"
-    """Parameter dtype for trainer and generator: float32 | bfloat16."""
+    """float32 | bfloat16: the generators' dtype and the trainer's compute dtype. With bfloat16 the trainer
+    keeps float32 master weights, gradients and AdamW state (FSDP2 mixed precision); pushes and
+    exports are the master cast to bfloat16."""
 
     def __post_init__(self) -> None:
         choice("model.dtype", self.dtype, ("float32", "bfloat16"))

@@ -104,6 +104,9 @@ def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
               use_tqdm_on_load=cfg.run.log_level in ("debug", "info"))  # a progress bar per engine start
     if g.engine == "vllm":
         kw["gpu_memory_utilization"] = g.gpu_memory_utilization
+    else:  # a split prefill rewinds a seeded request's generator, which a CPU generator cannot do: the
+        # engine core dies on seeded eval sampling once more prompt tokens wait than one step takes
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(g.max_model_len, 2048))
     if cfg.trainer.lora.rank:  # every version is an adapter of its own (pipeline/lora.py); two live at a switch
         kw.update(enable_lora=True, max_lora_rank=cfg.trainer.lora.rank, max_loras=2, max_cpu_loras=2)
     kw.update(extra or {})
