@@ -176,7 +176,7 @@ async def run(cfg: Config, host: Any = None) -> dict:
     end stops the other; the train loop's end is the run's), export, summary.json. Returns the
     summary; raises RunError naming the loop that failed. On a failure or an interrupt a last
     checkpoint is written first (Checkpointing.save_last); shutdown always runs."""
-    if cfg.run.resume == "latest":  # load_config resolves it; a Config built in code may not have
+    if cfg.run.resume == "latest":  # the CLI resolves it (pipeline/run.py); a Config built in code may not have
         cfg = prepare_resume(cfg)
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
