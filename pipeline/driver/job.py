@@ -53,10 +53,10 @@ class Job:
     model's tokenizer) and starts nothing. `start` reads the checkpoint's tokenizer and special ids
     (`special`), checks that the task's first prompt becomes tokens with them (a ConfigError), then
     brings the meshes up in order (trainer; warm start; buffer; reward model and generators; the
-    weight sync); a failure midway leaves what started for `shut_down`, which stops whatever is there. With `supervised` (the CLI job) the weight sync hands a
-    member's failure to the supervisor (which must then run: `Supervisor.run`), else (a Session) a
-    failed member fails the push itself: never a generator silently left on old weights. Only the
-    TrainLoop and a resume advance `version`.
+    weight sync); a failure midway leaves what started for `shut_down`, which stops whatever is there.
+    With `supervised` (the CLI job) the weight sync hands a member's failure to the supervisor (which
+    must then run: `Supervisor.run`), else (a Session) a failed member fails the push itself: never a
+    generator silently left on old weights. Only the TrainLoop and a resume advance `version`.
 
     Example:
         job = Job(cfg, supervised=True)
