@@ -14,8 +14,8 @@ import torch
 
 from pipeline.config import Config
 from pipeline.driver.calls import RunError
-from pipeline.tokens import SpecialTokens, encode_completion, encode_prompt, observation_frame
 from pipeline.tasks import PromptStream
+from pipeline.tokens import SpecialTokens, encode_completion, encode_prompt, observation_frame
 from pipeline.types import PromptItem
 
 log = logging.getLogger(__name__)
