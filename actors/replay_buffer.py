@@ -2,6 +2,7 @@
 
 Protocol (generators pull work and push samples; the trainer pulls batches):
 
+    buf = procs.spawn("buffer", ReplayBufferActor, cfg, pad)   # pad: the checkpoint's (Job.special.pad)
     info = await buf.setup.call_one()                # first: its placement (buffer.cpus) -> apply()'s report
     group = await buf.admit.call_one(0.5, (g, k))    # PromptGroup leased to generator g, incarnation k
     n = await buf.release_generator.call_one((g, k)) # it died: its groups are requeued

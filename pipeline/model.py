@@ -9,7 +9,8 @@ The tiny checkpoint is a real Qwen3 directory (config.json, model.safetensors, t
 tokenizer_config.json, generation_config.json): trainer (torchtitan), sampler (vLLM) and the
 reference (HF transformers) all load the same files. Its tokenizer is character level (a BPE model
 with no merges), which suits the built-in string tasks. A real checkpoint is any local Qwen3 HF
-directory; nothing here downloads.
+directory; nothing here downloads. The tokenizer side (special ids, prompts, chat templates) is
+pipeline/tokens.py.
 
 Run `python -m pipeline.model [--out DIR]` to build the tiny assets by hand.
 """
@@ -30,7 +31,9 @@ from safetensors.torch import load_file, save_file
 from pipeline.config import ModelConfig, TinyModelConfig
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+TINY_PAD_ID, TINY_BOS_ID, TINY_EOS_ID, TINY_UNK_ID = 0, 1, 2, 3
+"""The tiny tokenizer's special ids, which its files are written with. Code reads a checkpoint's ids
+from its files (pipeline.tokens.SpecialTokens), never these."""
 CHARS = string.ascii_lowercase + string.digits + " +-*=?.,:;()rev"
 ROPE_THETA = 1_000_000.0
 NORM_EPS = 1e-6
@@ -87,9 +90,9 @@ def hf_config(t: TinyModelConfig, vocab_size: int) -> dict:
         "attention_dropout": 0.0,
         "tie_word_embeddings": True,
         "use_sliding_window": False,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
+        "bos_token_id": TINY_BOS_ID,
+        "eos_token_id": TINY_EOS_ID,
+        "pad_token_id": TINY_PAD_ID,
         "torch_dtype": "float32",
     }
 
@@ -111,7 +114,7 @@ def ensure_tiny_assets(cfg: ModelConfig) -> Path:
     conf = hf_config(cfg.tiny, vocab_size)
     (tmp / "config.json").write_text(json.dumps(conf, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2))
+        {"bos_token_id": TINY_BOS_ID, "eos_token_id": TINY_EOS_ID, "pad_token_id": TINY_PAD_ID}, indent=2))
     build_tokenizer_json(tmp / "tokenizer.json")
     (tmp / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -254,26 +257,6 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     """[N, T-1]: logprob of input_ids[:, t+1] given input_ids[:, :t+1] (right-padded batches)."""
     logits = model(input_ids).float()
     return torch.gather(F.log_softmax(logits[:, :-1], dim=-1), 2, input_ids[:, 1:, None]).squeeze(-1)
-
-
-def load_tokenizer(hf_dir: Path):
-    """HF fast tokenizer of the checkpoint (the same files vLLM reads)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(hf_dir))
-
-
-def encode_prompt(tok, prompt: str) -> list[int]:
-    """A prompt's token ids, the one way every path makes them: generation (Episodes.prompt_tokens, whose ids
-    the trainer gets in each Rollout) and the warm start (pipeline.driver.warm_start.demo_batch). With the tokenizer's
-    own special tokens, as vLLM and HF add them to a text prompt: a BOS for a tokenizer that adds one
-    (Llama-style), nothing for the tiny and Qwen tokenizers."""
-    return list(tok(prompt, add_special_tokens=True)["input_ids"])
-
-
-def encode_completion(tok, text: str) -> list[int]:
-    """A completion's token ids (a demonstration), which continue a prompt: no special tokens."""
-    return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 if __name__ == "__main__":

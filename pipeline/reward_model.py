@@ -41,6 +41,8 @@ from typing import Any, Sequence
 
 import torch
 
+from pipeline.tokens import SpecialTokens, load_tokenizer
+
 __all__ = ["StreamingScorer", "ScorerError", "init_scorer", "check_tokenizer"]
 
 
@@ -267,7 +269,8 @@ def init_scorer(policy_dir: str | Path, out_dir: str | Path, seed: int = 0) -> P
     conf = AutoConfig.from_pretrained(policy_dir, num_labels=1)
     arch = conf.architectures[0].replace("ForCausalLM", "ForSequenceClassification")
     conf.architectures = [arch]
-    conf.pad_token_id = getattr(conf, "pad_token_id", None) or 0
+    if getattr(conf, "pad_token_id", None) is None:  # HF's scalar head needs one: the checkpoint's own
+        conf.pad_token_id = SpecialTokens.of(load_tokenizer(policy_dir)).pad
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(policy_dir, config=conf, dtype=torch.float32)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+Prompt = str | list[dict[str, str]]
+"""A task's prompt: a str (tokenised as it is) or a list of chat messages {"role": ..., "content": ...}
+(rendered by the checkpoint's chat template; pipeline/tokens.py). A prompt travels as the task gave
+it (to the reward, in rollouts and in checkpoints: plain lists and dicts, so it pickles as is)."""
+
 ENV_VERSION = -1
 """Version of a token the environment wrote (a multi-turn observation): not sampled, not trained."""
 
@@ -28,7 +33,7 @@ class PromptItem:
     """One prompt from a task's source; `uid` is unique within one pass over a split (epochs repeat it)."""
 
     uid: int
-    prompt: str
+    prompt: Prompt
     answer: str = ""
     max_new_tokens: int = 0  # per-prompt generation budget; 0 = generator.max_new_tokens (which also caps it)
 
@@ -55,7 +60,7 @@ class Rollout:
 
     group_id: int
     sample_idx: int
-    prompt: str
+    prompt: Prompt
     prompt_tokens: tuple[int, ...]
     completion: str
     completion_tokens: tuple[int, ...]

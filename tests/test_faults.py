@@ -313,7 +313,7 @@ def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_act
     from pipeline.driver.hooks import Hooks
     from pipeline.driver.job import Job
     from pipeline.driver.loop import SyncPublish, TrainLoop
-    from pipeline.model import PAD_ID
+    from pipeline.model import TINY_PAD_ID
 
     cfg = Config(model=ModelConfig(), buffer=BufferConfig(group_size=2, batch_groups=1, max_staleness=0,
                                                           overcommit="none"),
@@ -332,7 +332,7 @@ def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_act
 
     async def go():
         procs = this_host().spawn_procs(per_host={"procs": 1})
-        pipe.buffer = procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
+        pipe.buffer = procs.spawn("buffer", ReplayBufferActor, cfg, TINY_PAD_ID)
         pipe.trainer = await Trainer.start(cfg)
         try:
             (_, metrics), _ = await asyncio.gather(steps.train_once(), feed(["empty", "normal"]))

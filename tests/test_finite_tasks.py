@@ -212,11 +212,11 @@ def bos_tokenizer_dir(tiny_dir: Path, out: Path) -> Path:
     special tokens (no Qwen or Llama tokenizer is on this machine, and nothing downloads)."""
     from tokenizers import Tokenizer, processors
 
-    from pipeline.model import BOS_ID
+    from pipeline.model import TINY_BOS_ID
 
     out.mkdir()
     tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS_ID)])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", TINY_BOS_ID)])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text((tiny_dir / "tokenizer_config.json").read_text())
     return out
@@ -228,7 +228,8 @@ def test_generation_and_warm_start_tokenize_a_prompt_the_same_way(tiny_dir, tmp_
     Rollout) and demo_batch (the warm start) must agree, special tokens included; a
     demonstration never gets one. Fails if either path tokenizes on its own."""
     from pipeline.driver.warm_start import demo_batch
-    from pipeline.model import BOS_ID, load_tokenizer
+    from pipeline.model import TINY_BOS_ID
+    from pipeline.tokens import load_tokenizer
     from pipeline.generator.core import GeneratorCore
 
     hf = tiny_dir if variant == "tiny" else bos_tokenizer_dir(tiny_dir, tmp_path / "bos")
@@ -242,8 +243,8 @@ def test_generation_and_warm_start_tokenize_a_prompt_the_same_way(tiny_dir, tmp_
         start = m.index(1.0)
         gen = list(core.episodes.prompt_tokens(item.prompt))
         assert row[:start] == gen, (variant, item.prompt)
-        assert (gen[0] == BOS_ID) == (variant == "adds_bos")  # the tokenizer's own convention
-        assert BOS_ID not in row[start:]  # no special token inside the demonstration
+        assert (gen[0] == TINY_BOS_ID) == (variant == "adds_bos")  # the tokenizer's own convention
+        assert TINY_BOS_ID not in row[start:]  # no special token inside the demonstration
         assert tok.decode(row[start:start + len(item.answer)]) == item.answer
 
 

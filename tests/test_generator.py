@@ -368,7 +368,7 @@ def test_feeds_the_real_replay_buffer(env):
     """The production wiring: admit(wait_s) / add / release against ReplayBufferActor, then a Batch."""
     from actors.replay_buffer import ReplayBufferActor
     from pipeline.config import BufferConfig
-    from pipeline.model import PAD_ID
+    from pipeline.model import TINY_PAD_ID
 
     loop, gen, src, model = env
     cfg = make_cfg()
@@ -377,7 +377,7 @@ def test_feeds_the_real_replay_buffer(env):
     async def go():
         procs = this_host().spawn_procs(per_host={"procs": 1})
         try:
-            buf = procs.spawn("buf", ReplayBufferActor, cfg, PAD_ID)
+            buf = procs.spawn("buf", ReplayBufferActor, cfg, TINY_PAD_ID)
             version = await gen.version.call_one()
             await buf.finish_step.call_one(version, 0.0)
             await gen.start_generation.call_one(buf)

@@ -6,8 +6,9 @@ import torch
 
 from pipeline.config import ModelConfig, TinyModelConfig
 from pipeline.model import (
-    EOS_ID, build_model, ensure_tiny_assets, export_hf, load_hf_state_dict, load_tokenizer, token_logprobs,
+    TINY_EOS_ID, build_model, ensure_tiny_assets, export_hf, load_hf_state_dict, token_logprobs,
 )
+from pipeline.tokens import load_tokenizer
 
 
 def _batch(vocab: int, n=3, t=12, seed=0):
@@ -48,7 +49,7 @@ def test_tokenizer_is_character_level_and_round_trips(tiny_dir):
     tok = load_tokenizer(tiny_dir)
     ids = tok("rev abc=")["input_ids"]
     assert len(ids) == len("rev abc=") and tok.decode(ids) == "rev abc="
-    assert tok.eos_token_id == EOS_ID == json.loads((tiny_dir / "config.json").read_text())["eos_token_id"]
+    assert tok.eos_token_id == TINY_EOS_ID == json.loads((tiny_dir / "config.json").read_text())["eos_token_id"]
 
 
 def test_token_logprobs_align_with_next_token(tiny_dir):

@@ -21,7 +21,8 @@ import pytest
 
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, Config, GeneratorConfig, ModelConfig, TaskConfig
-from pipeline.model import EOS_ID, PAD_ID, encode_completion
+from pipeline.model import TINY_EOS_ID, TINY_PAD_ID
+from pipeline.tokens import encode_completion
 from pipeline.generator.core import GeneratorCore
 from pipeline.tasks import take
 from pipeline.types import ENV_VERSION, PromptGroup, PromptItem
@@ -140,7 +141,7 @@ def test_multi_turn_layout_and_exact_token_flow(eng):
     assert len(envs) == 2 * GROUP and all(len(env.seen) == 2 for env in envs)
     assert e.snapshot()["turns"] >= 3 * 2 * GROUP
     # through the buffer: observations are context, not trained on
-    buf = ReplayBufferCore(BufferConfig(group_size=GROUP, batch_groups=2, overcommit="none"), pad_id=PAD_ID)
+    buf = ReplayBufferCore(BufferConfig(group_size=GROUP, batch_groups=2, overcommit="none"), pad_id=TINY_PAD_ID)
     for g in range(2):
         buf.admit(PromptItem(uid=g, prompt="p"))
     for r in src.rollouts:
@@ -148,7 +149,7 @@ def test_multi_turn_layout_and_exact_token_flow(eng):
     b = buf.take_batch()
     for i in range(b.num_samples):
         p = len(src.rollouts[0].prompt_tokens)
-        n = int((b.input_ids[i] != PAD_ID).sum()) - p
+        n = int((b.input_ids[i] != TINY_PAD_ID).sum()) - p
         assert b.loss_mask[i, p:p + n].tolist() == [float(x >= 0) for x in b.versions[i, p:p + n].tolist()]
     assert b.num_tokens == 3 * MAX_NEW * 2 * GROUP
 
@@ -198,7 +199,7 @@ def test_weight_update_between_two_turns_gives_two_versions_and_staleness(eng):
         assert list(r.versions) == [v] * MAX_NEW + [ENV_VERSION] * obs + [v + 1] * MAX_NEW
         assert r.min_version == v
     buf = ReplayBufferCore(BufferConfig(group_size=GROUP, batch_groups=1, max_staleness=2, overcommit="none"),
-                           pad_id=PAD_ID)
+                           pad_id=TINY_PAD_ID)
     buf.admit(PromptItem(uid=0, prompt="p"))
     buf.set_trainer_version(v + 1)
     for r in src.rollouts:
@@ -235,7 +236,7 @@ def test_environments_that_raise_hang_or_flood_fail_their_rollout_alone(eng):
     assert flooded and runs and max(runs) == 8, runs  # each observation cut to task.max_obs_tokens
     assert len(set(src.released)) >= 4 and len(src.rollouts) >= 4 * GROUP  # the others went on
     e.check()  # the generator is not broken
-    assert EOS_ID not in encode_completion(e.engine.tok, OBS)
+    assert TINY_EOS_ID not in encode_completion(e.engine.tok, OBS)
 
 
 def test_carry_over_save_between_two_turns_resumes_the_episode(eng):

@@ -19,7 +19,8 @@ from pipeline import logs, procs
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, ConfigError, load_config
 from pipeline.driver.metrics import MetricsSink, read_jsonl, trained_samples
-from pipeline.model import EOS_ID, PAD_ID, load_tokenizer
+from pipeline.model import TINY_EOS_ID, TINY_PAD_ID
+from pipeline.tokens import load_tokenizer
 from pipeline.tasks import reverse
 from pipeline.types import PromptItem, Rollout
 
@@ -27,13 +28,13 @@ from pipeline.types import PromptItem, Rollout
 def _batch(tok, version: int = 2):
     """A real buffer's batch of 2 groups x 2 samples of the reverse task, tokenised by the tiny tokenizer;
     prompts of different lengths (so rows are padded) and tokens from versions version-1 and version."""
-    buf = ReplayBufferCore(BufferConfig(group_size=2, batch_groups=2, max_staleness=1, overcommit="none"), PAD_ID)
+    buf = ReplayBufferCore(BufferConfig(group_size=2, batch_groups=2, max_staleness=1, overcommit="none"), TINY_PAD_ID)
     buf.set_trainer_version(version)
     texts = {"rev abc=": [" cba", "ab"], "rev hgfed=": ["defgh", " x"]}
     for uid, (prompt, completions) in enumerate(texts.items()):
         gid = buf.admit(PromptItem(uid=uid, prompt=prompt)).group_id
         for i, c in enumerate(completions):
-            ids = tuple(tok.encode(c, add_special_tokens=False)) + (EOS_ID,)
+            ids = tuple(tok.encode(c, add_special_tokens=False)) + (TINY_EOS_ID,)
             vs = tuple([version - i] + [version] * (len(ids) - 1))  # sample 1 starts one version behind
             buf.add(Rollout(group_id=gid, sample_idx=i, prompt=prompt,
                             prompt_tokens=tuple(tok.encode(prompt, add_special_tokens=False)), completion=c,
@@ -46,14 +47,14 @@ def test_trained_samples_decode_prompt_completion_and_versions_of_a_padded_batch
     tok = load_tokenizer(tiny_dir)
     batch, texts = _batch(tok)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731  (as Job.decode)
-    rows = trained_samples(batch, decode, k=2, pad_id=PAD_ID)
+    rows = trained_samples(batch, decode, k=2, pad_id=TINY_PAD_ID)
     assert [r["group_id"] for r in rows] == [batch.group_ids[0], batch.group_ids[2]]  # spread over the groups
     for r in rows:
         assert r["completion"] == texts[r["prompt"]][0]  # rows 0 and 2: each group's first sample
         assert r["reward"] == pytest.approx(reverse.reward(r["prompt"], r["completion"]), abs=1e-6)
         assert r["versions"] == [2] * (len(tok.encode(r["completion"], add_special_tokens=False)) + 1)  # + EOS
         assert r["staleness"] == 0 and r["trainer_version"] == 2
-    every = trained_samples(batch, decode, k=10, pad_id=PAD_ID)  # k > N: each row once
+    every = trained_samples(batch, decode, k=10, pad_id=TINY_PAD_ID)  # k > N: each row once
     assert [(r["prompt"], r["completion"]) for r in every] == [(p, c) for p, cs in texts.items() for c in cs]
     assert [r["staleness"] for r in every] == [0, 1, 0, 1] and every[1]["versions"][0] == 1
     assert trained_samples(batch, decode, k=0) == []

@@ -6,7 +6,8 @@ import sys
 
 import torch
 
-from pipeline.model import build_model, load_tokenizer, token_logprobs
+from pipeline.model import build_model, token_logprobs
+from pipeline.tokens import load_tokenizer
 
 from .conftest import REPO
 

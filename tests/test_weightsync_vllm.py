@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipeline.config import WeightSyncConfig
-from pipeline.model import build_model, export_hf, load_tokenizer, token_logprobs
+from pipeline.model import build_model, export_hf, token_logprobs
+from pipeline.tokens import load_tokenizer
 from pipeline.generator.engine import stop_engine
 from pipeline.weightsync import (VersionRegressionError, WeightLoadError, WeightReceiver, WeightSender,
                                  load_into_vllm, vllm_engine_kwargs)

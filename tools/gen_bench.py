@@ -84,7 +84,8 @@ async def run_bare(cfg, items: list[PromptItem], group: int, rounds: int) -> lis
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from pipeline.model import encode_prompt, load_tokenizer, model_dir
+    from pipeline.model import model_dir
+    from pipeline.tokens import encode_prompt, load_tokenizer
     from pipeline.generator.engine import engine_args, stop_engine
 
     hf_dir = model_dir(cfg.model)
@@ -100,7 +101,7 @@ async def run_bare(cfg, items: list[PromptItem], group: int, rounds: int) -> lis
             async def one(i: int, item: PromptItem) -> int:
                 async with sem:
                     last = None
-                    async for o in engine.generate({"prompt_token_ids": encode_prompt(tok, item.prompt)},
+                    async for o in engine.generate({"prompt_token_ids": encode_prompt(tok, item.prompt, cfg.task.enable_thinking)},
                                                    sp, request_id=f"bare{r}-{i}"):
                         last = o
                     return len(last.outputs[0].token_ids)

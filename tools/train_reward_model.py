@@ -30,9 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.model import EOS_ID, PAD_ID, encode_completion, encode_prompt, load_tokenizer, model_dir  # noqa: E402
+from pipeline.model import model_dir  # noqa: E402
 from pipeline.reward_model import StreamingScorer, init_scorer  # noqa: E402
 from pipeline.tasks import PromptStream, load_task  # noqa: E402
+from pipeline.tokens import SpecialTokens, encode_completion, encode_prompt, load_tokenizer  # noqa: E402
 
 
 def corrupt(demo: str, alphabet: str, rng: random.Random) -> str:
@@ -61,8 +62,12 @@ def corrupt(demo: str, alphabet: str, rng: random.Random) -> str:
     return "".join(s)
 
 
-def make_data(task, tok, seed: int, split: str, n: int) -> list[tuple[list[int], float]]:
+def make_data(task, tok, seed: int, split: str, n: int, enable_thinking: bool | None = None
+              ) -> list[tuple[list[int], float]]:
+    """Scored sequences laid out as the generators lay out a rollout: the prompt as they tokenise it
+    (pipeline.tokens.encode_prompt), the completion, the checkpoint's eos."""
     rng = random.Random(seed)
+    eos = SpecialTokens.of(tok).eos
     stream = PromptStream(task, seed, split)
     out = []
     while len(out) < n:
@@ -71,10 +76,10 @@ def make_data(task, tok, seed: int, split: str, n: int) -> list[tuple[list[int],
         if not isinstance(demo, str):
             raise SystemExit(f"{task.name}: demonstration() returned a {type(demo).__name__}; this tool needs "
                              "a single-turn task (a str demonstration)")
-        alphabet = "".join(sorted(set(demo + item.prompt))) or "ab"
+        alphabet = "".join(sorted(set(demo + (item.prompt if isinstance(item.prompt, str) else "")))) or "ab"
         for _ in range(4):
             c = corrupt(demo, alphabet, rng)
-            ids = encode_prompt(tok, item.prompt) + encode_completion(tok, c) + [EOS_ID]
+            ids = encode_prompt(tok, item.prompt, enable_thinking) + encode_completion(tok, c) + [eos]
             out.append((ids, float(task.reward(item.prompt, c))))
     return out
 
@@ -88,7 +93,7 @@ def batches(data, size: int, rng: random.Random):
 
 def forward(model, rows) -> torch.Tensor:
     n = max(len(r[0]) for r in rows)
-    ids = torch.full((len(rows), n), PAD_ID, dtype=torch.long)
+    ids = torch.zeros((len(rows), n), dtype=torch.long)  # padding is masked out: any id does
     mask = torch.zeros(len(rows), n, dtype=torch.long)
     for i, (s, _) in enumerate(rows):
         ids[i, :len(s)] = torch.tensor(s)
@@ -120,8 +125,8 @@ def train(task_name: str, out: Path, config: str | None = None, steps: int = 200
     if task.demonstration is None:
         raise SystemExit(f"{task_name} has no demonstration(); this tool trains from demonstrations")
     tok = load_tokenizer(policy)
-    train_data = make_data(task, tok, seed, "train", examples)
-    held = make_data(task, tok, seed + 1, "eval", 512)
+    train_data = make_data(task, tok, seed, "train", examples, cfg.task.enable_thinking)
+    held = make_data(task, tok, seed + 1, "eval", 512, cfg.task.enable_thinking)
     init_scorer(policy, out, seed)
     from transformers import AutoModelForSequenceClassification
 

@@ -65,6 +65,10 @@ class TaskConfig:
     env_timeout_s: float = 10.0
     """Seconds one environment call (env(item), step) may run (> 0); past it the sample is rejected
     as env_timeout. Calls run on threads off the event loop, like rewards."""
+    enable_thinking: bool | None = None
+    """Chat prompts (a task's prompt given as a list of messages): passed to the checkpoint's chat
+    template as `enable_thinking` (Qwen3: false renders an empty think block, so the model answers
+    at once); null (the default): not passed, the template's own default. Unused for str prompts."""
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")

@@ -17,7 +17,6 @@ from typing import Any
 
 from pipeline.driver.health import CollapseWatch
 from pipeline.driver.metrics import trained_samples
-from pipeline.model import PAD_ID
 from pipeline.types import Batch
 
 log = logging.getLogger(__name__)
@@ -136,7 +135,7 @@ class RolloutLog(Hook):
         self.job, self.sink, self.k = job, sink, k
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
-        self.sink.log_rollouts(step, trained_samples(batch, self.job.decode, self.k, PAD_ID))
+        self.sink.log_rollouts(step, trained_samples(batch, self.job.decode, self.k, self.job.special.pad))
 
 
 class Record(Hook):

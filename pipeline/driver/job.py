@@ -28,10 +28,11 @@ from pipeline.driver.fleet import Fleet
 from pipeline.driver.rewiring import RestartWiring
 from pipeline.driver.supervisor import Supervisor
 from pipeline.driver.warm_start import warm_start
-from pipeline.model import PAD_ID, load_tokenizer, model_dir
+from pipeline.model import model_dir
 from pipeline.placement import describe, generator_placements
 from pipeline.reward_model import check_tokenizer
-from pipeline.tasks import open_task
+from pipeline.tasks import open_task, take
+from pipeline.tokens import PromptError, SpecialTokens, encode_prompt, load_tokenizer
 from pipeline.weightsync.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,13 @@ class Job:
     sync, the supervisor, the evaluation, and the trainer's version as this process knows it.
 
     Contract: construction checks what can be checked before any mesh starts (the task, the reward
-    model's tokenizer) and starts nothing. `start` brings the meshes up in order (trainer; warm start;
-    buffer; reward model and generators; the weight sync); a failure midway leaves what started for
-    `shut_down`, which stops whatever is there. With `supervised` (the CLI job) the weight sync hands a
-    member's failure to the supervisor (which must then run: `Supervisor.run`), else (a Session) a
-    failed member fails the push itself: never a generator silently left on old weights. Only the
-    TrainLoop and a resume advance `version`.
+    model's tokenizer) and starts nothing. `start` reads the checkpoint's tokenizer and special ids
+    (`special`), checks that the task's first prompt becomes tokens with them (a ConfigError), then
+    brings the meshes up in order (trainer; warm start; buffer; reward model and generators; the
+    weight sync); a failure midway leaves what started for `shut_down`, which stops whatever is there.
+    With `supervised` (the CLI job) the weight sync hands a member's failure to the supervisor (which
+    must then run: `Supervisor.run`), else (a Session) a failed member fails the push itself: never a
+    generator silently left on old weights. Only the TrainLoop and a resume advance `version`.
 
     Example:
         job = Job(cfg, supervised=True)
@@ -85,6 +87,7 @@ class Job:
         self.buffer: Any = None
         self.sync: WeightSync | None = None
         self.tokenizer: Any = None
+        self.special: SpecialTokens | None = None  # the checkpoint's eos, pad and stop ids (pipeline/tokens.py)
         self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host
 
     async def start(self) -> None:
@@ -102,6 +105,8 @@ class Job:
         # cores or GPUs too few for the generators of a host: a ConfigError (exit 2) before anything starts
         placements = generator_placements(cfg, hosts, cfg.trainer.num_ranks // num_hosts)
         self.tokenizer = load_tokenizer(model_dir(cfg.model))
+        self.special = SpecialTokens.of(self.tokenizer)
+        self.check_prompts()
 
         t0 = time.monotonic()
         log.info("starting trainer mesh (%d ranks over %d host(s))", cfg.trainer.num_ranks, num_hosts)
@@ -117,7 +122,7 @@ class Job:
                  cfg.generator.num_generators, hosts)
         buffer_procs = (host.slice(hosts=0) if "hosts" in host.sizes else host).spawn_procs(per_host={"procs": 1})
         self.procs.append(buffer_procs)
-        self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, PAD_ID)
+        self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, self.special.pad)
         self.placement["buffer"] = await call_within("buffer setup", self.buffer.setup.call_one(), 60)
         log.info("placement: buffer (pid %d): %s", self.placement["buffer"]["pid"], describe(self.placement["buffer"]))
         self.supervisor.install_fault_hook()
@@ -127,6 +132,16 @@ class Job:
         await self.sync.attach(self.trainer_addr)
         log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
                  time.monotonic() - t0, cfg.trainer.num_ranks, len(self.fleet.generators), cfg.weight_sync.transport)
+
+    def check_prompts(self) -> None:
+        """The task's first prompt must become tokens for this checkpoint (messages need a chat
+        template): a ConfigError before any mesh starts, rather than every group failing later."""
+        for item in take(self.task, self.cfg.task.seed, "train", 1):
+            try:
+                encode_prompt(self.tokenizer, item.prompt, self.cfg.task.enable_thinking)
+            except PromptError as e:
+                raise ConfigError(f"config: task {self.cfg.task.name!r} cannot be used with model "
+                                  f"{self.tokenizer.name_or_path}: its first prompt: {e}") from None
 
     async def start_generation(self) -> None:
         await call_within("generation start", asyncio.gather(

@@ -2,7 +2,7 @@
 
     sink = MetricsSink(out_dir, wandb="off")
     sink.log(step, {"reward/mean": 0.4, "staleness/mean": 0.5})
-    sink.log_rollouts(step, trained_samples(batch, tokenizer.decode, k=2))   # out_dir/rollouts.jsonl
+    sink.log_rollouts(step, trained_samples(batch, tokenizer.decode, k=2, pad_id=special.pad))   # rollouts.jsonl
     sink.close()
     plot_summary(out_dir / "metrics.jsonl", out_dir / "summary.png")
 """
@@ -47,9 +47,10 @@ def _restart_log(path: Path, resume_step: int | None) -> None:
     os.replace(tmp, path)  # a crash here leaves the old file or the kept rows, never half
 
 
-def trained_samples(batch: Batch, decode: Callable[[list[int]], str], k: int, pad_id: int = 0) -> list[dict]:
+def trained_samples(batch: Batch, decode: Callable[[list[int]], str], k: int, pad_id: int | None = None) -> list[dict]:
     """k rows of a trained batch, spread over it (rows j*N//k, so over several groups), for the rollouts
-    log. Layout (pipeline/types.py): prompt tokens, completion tokens (loss_mask 1), then pad_id; a
+    log. Layout (pipeline/types.py): prompt tokens, completion tokens (loss_mask 1), then pad_id (the
+    checkpoint's, Job.special.pad; None: a row without completion tokens is shown whole); a
     multi-turn completion runs from the first model token to the last, observations included
     (loss_mask 0, version -1). `versions` has one entry per completion token; staleness is
     trainer_version - min(model token versions)."""
@@ -63,7 +64,7 @@ def trained_samples(batch: Batch, decode: Callable[[list[int]], str], k: int, pa
             prompt = ids[:done[0]].tolist()
         else:  # no completion token: the prompt is the row up to its padding
             prompt = ids.tolist()
-            while prompt and prompt[-1] == pad_id:
+            while pad_id is not None and prompt and prompt[-1] == pad_id:
                 prompt.pop()
         rows.append({"group_id": batch.group_ids[i], "trainer_version": batch.trainer_version,
                      "staleness": int(stale[i]), "reward": float(batch.rewards[i]),

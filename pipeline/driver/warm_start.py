@@ -1,6 +1,6 @@
 """Supervised warm start on task demonstrations, before RL (run.warm_start_steps).
 
-    ids, mask = demo_batch(tokenizer, task, items)          # the tokens the generators would produce
+    ids, mask = demo_batch(tokenizer, task, items, enable_thinking)   # the tokens the generators would produce
     warm_dir = await warm_start(cfg, task, trainer, tokenizer, steps)   # trained, exported for the generators
 """
 
@@ -14,31 +14,37 @@ import torch
 
 from pipeline.config import Config
 from pipeline.driver.calls import RunError
-from pipeline.model import EOS_ID, PAD_ID, encode_completion, encode_prompt
 from pipeline.tasks import PromptStream
+from pipeline.tokens import SpecialTokens, encode_completion, encode_prompt, observation_frame
 from pipeline.types import PromptItem
 
 log = logging.getLogger(__name__)
 
 
-def demo_batch(tokenizer: Any, task: Any, items: Iterable[PromptItem]) -> tuple[torch.Tensor, torch.Tensor]:
+def demo_batch(tokenizer: Any, task: Any, items: Iterable[PromptItem],
+               enable_thinking: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, loss mask) of the items' demonstrations, laid out as the generators lay out a rollout:
-    the prompt tokenized as they do (the same tokens in RL), then each model turn ending with EOS and
-    trained on, each observation (multi-turn: model turn, observation, model turn, ...) tokenized on
-    its own and masked out (pipeline/generator/envs.py); PAD_ID to the longest row."""
+    the prompt tokenized as they do (pipeline.tokens.encode_prompt, task.enable_thinking: the same
+    tokens in RL), then each model turn ending with the checkpoint's eos (a chat model's end of turn)
+    and trained on, each observation (multi-turn: model turn, observation, model turn, ...)
+    tokenized on its own, in a chat prompt's frame, and masked out (pipeline/generator/envs.py);
+    the checkpoint's pad to the longest row."""
+    special = SpecialTokens.of(tokenizer)
     seqs, masks = [], []
     for it in items:
-        p = encode_prompt(tokenizer, it.prompt)
+        p = encode_prompt(tokenizer, it.prompt, enable_thinking)
+        frame = observation_frame(tokenizer, it.prompt, enable_thinking)
         demo = task.demonstration(it)
         seq, mask = list(p), [0.0] * len(p)
         for k, text in enumerate([demo] if isinstance(demo, str) else list(demo)):
-            ids = encode_completion(tokenizer, text) + ([EOS_ID] if k % 2 == 0 else [])
+            ids = encode_completion(tokenizer, text)
+            ids = ids + [special.eos] if k % 2 == 0 else frame.wrap(ids, seq[-1])
             seq += ids
             mask += [1.0 if k % 2 == 0 else 0.0] * len(ids)
         seqs.append(seq)
         masks.append(mask)
     t = max(map(len, seqs))
-    ids = torch.tensor([s + [PAD_ID] * (t - len(s)) for s in seqs])
+    ids = torch.tensor([s + [special.pad] * (t - len(s)) for s in seqs])
     mask = torch.tensor([m + [0.0] * (t - len(m)) for m in masks])
     return ids, mask
 
@@ -54,7 +60,7 @@ async def warm_start(cfg: Config, task: Any, trainer: Any, tokenizer: Any, steps
     n = cfg.buffer.batch_groups * cfg.buffer.group_size
     loss = float("nan")
     for _ in range(steps):
-        ids, mask = demo_batch(tokenizer, task, [next(items) for _ in range(n)])
+        ids, mask = demo_batch(tokenizer, task, [next(items) for _ in range(n)], cfg.task.enable_thinking)
         loss = (await trainer.sft_step(ids, mask, cfg.run.warm_start_lr or None))["loss"]
     warm_dir = Path(cfg.run.out_dir) / "warm_start"
     await trainer.export_hf(str(warm_dir))

@@ -65,7 +65,7 @@ from pipeline.generator.rewards import RolloutStats
 from pipeline.generator.scheduler import StageScheduler
 from pipeline.generator.trajectory import RequestError, Trajectory, WorkSource, check_request
 from pipeline.tasks import RewardRejected
-from pipeline.types import PromptGroup, PromptItem
+from pipeline.types import Prompt, PromptGroup, PromptItem
 
 __all__ = ["GeneratorCore"]
 
@@ -146,14 +146,14 @@ class GeneratorCore:
             self.begin_stage(self._next_stage)
         return version
 
-    async def generate_eval(self, prompts: list[str | PromptItem], max_new_tokens: int, temperature: float = 0.0,
+    async def generate_eval(self, prompts: list[Prompt | PromptItem], max_new_tokens: int, temperature: float = 0.0,
                             seed: int = 0) -> list[str | None]:
         """Completions for evaluation: greedy by default, else sampled at `temperature` with per-prompt
         seeds `seed + i` (reproducible for fixed weights). A prompt that is empty, too long, cannot be
         tokenised or is refused by the engine gets None, counted in stats()["eval_skipped"] by reason;
         bad sampling values raise RequestError at once, any other failure after the others finish.
         `prompts` are PromptItems (a multi-turn task's environment gets the item, as in training) or
-        prompt strings. The episodes are training's (Episodes.play) with a turn of their own; a
+        prompts (a str or messages). The episodes are training's (Episodes.play) with a turn of their own; a
         multi-turn task's run at most 2 N' at a time, with environment workers of their own, so
         evaluation never takes the training rollouts' workers."""
         from vllm import SamplingParams
@@ -168,13 +168,13 @@ class GeneratorCore:
             async with limit:
                 traj = Trajectory(PromptGroup(-1, item, 1, self.version), 0, eps.prompt_tokens(item.prompt))
                 await eps.play(traj, lambda t: turn(i, t), eps.eval_env_calls)
-                return engine.tok.decode(traj.tokens, skip_special_tokens=True)
+                return eps.transcript(traj)  # as the reward reads a training rollout
 
         async def turn(i: int, t: Trajectory) -> str:  # a multi-turn task's eval runs its environment too
             room = eps.turn_room(t, max_new_tokens)
             if room < 1:
                 return "length"
-            sp = SamplingParams(max_tokens=room, temperature=temperature,
+            sp = SamplingParams(max_tokens=room, temperature=temperature, stop_token_ids=list(engine.special.stop),
                                 seed=seed + i + 7919 * t.turns if temperature > 0 else None)
             final = None
             try:
@@ -196,7 +196,7 @@ class GeneratorCore:
                 self.stats.eval_skipped[r.reason] += 1
         bad = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException) and not isinstance(r, skip)]
         if bad:
-            raise RuntimeError("; ".join(f"eval prompt {i} ({items[i].prompt[:40]!r}): {type(r).__name__}: {r}"
+            raise RuntimeError("; ".join(f"eval prompt {i} ({str(items[i].prompt)[:40]!r}): {type(r).__name__}: {r}"
                                          for i, r in bad)) from bad[0][1]
         return [None if isinstance(r, skip) else r for r in results]
 

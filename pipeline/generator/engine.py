@@ -37,7 +37,8 @@ from typing import Callable
 from pipeline import cleanup, procs
 from pipeline.config import Config
 from pipeline.lora import remove_dir
-from pipeline.model import load_tokenizer, model_dir
+from pipeline.model import model_dir
+from pipeline.tokens import SpecialTokens, load_tokenizer
 from pipeline.weightsync import load_lora_into_vllm
 
 log = logging.getLogger(__name__)
@@ -158,12 +159,14 @@ def stop_engine(engine) -> None:
 
 class Engine:
     """See the module docstring. `llm` is the AsyncLLM (None before `start` and after `stop`), `tok`
-    its tokenizer; `lora_request` the served version's adapter with trainer.lora."""
+    its tokenizer and `special` the checkpoint's special ids (pipeline/tokens.py); `lora_request` the
+    served version's adapter with trainer.lora."""
 
     def __init__(self, cfg: Config, generator_id: int, fault: Fault):
         self.cfg, self.g, self.gid, self.fault = cfg, cfg.generator, generator_id, fault
         self.llm = None
         self.tok = None
+        self.special: SpecialTokens | None = None
         self.requests: dict[str, str] = {}  # training trajectory key -> its request id in the engine
         self.lora_request = None  # with trainer.lora: the adapter of the served version, on every request
         self.lora_dir: str | None = None  # where this engine's adapters are written (tmpfs), removed at stop
@@ -190,6 +193,7 @@ class Engine:
             await self._start_lora(hf_dir, version)
         await self.llm.update_weight_version(str(version))
         self.tok = load_tokenizer(hf_dir)
+        self.special = SpecialTokens.of(self.tok)
         return {"generator_id": self.gid, "hf_dir": str(hf_dir), "start_s": time.monotonic() - t0}
 
     def _watch_cores(self) -> None:
@@ -233,6 +237,11 @@ class Engine:
     async def abort_requests(self) -> None:
         """Abort every training request now in the engine (each returns what it sampled so far)."""
         await self.control(self.llm.abort(list(self.requests.values())), "abort")
+
+    def stop_ids(self) -> list[int] | None:
+        """Every id that ends a model turn (the checkpoint's stop set), explicit on each training
+        request (vLLM's own default is the tokenizer's eos); none with generator.ignore_eos."""
+        return None if self.g.ignore_eos else list(self.special.stop)
 
     # ---------------------------------------------------------------- LoRA adapters
 

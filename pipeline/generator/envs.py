@@ -19,10 +19,28 @@ the loss and of staleness. Token in, token out: each turn is generated from the 
 so far (prompt, every model token the engine returned, EOS included, every observation token), never
 from re-tokenised text; an observation is tokenised once, on its own, with no special tokens.
 
+With a chat prompt (a list of messages, pipeline/tokens.py) each observation is a user turn of the
+chat template, so the model sees the layout it was tuned on. The template's frame around it is
+tokenised once per tokenizer (`observation_frame`, from the template's own rendering) and the
+observation's tokens go between; frame tokens are environment tokens like the observation's
+(version -1, masked out). Qwen3, enable_thinking unset:
+
+    prompt  <|im_start|>user\nmul 37*4=<|im_end|>\n<|im_start|>assistant\n
+    turn 1  ?<|im_end|>                                    (model; <|im_end|> is its stop token)
+    obs     \n<|im_start|>user\n:148;<|im_end|>\n<|im_start|>assistant\n   (environment)
+    turn 2  148<|im_end|>                                  (model)
+
+The frame opens with the end of turn (`<|im_end|>`), left out when the model's turn already ends
+with it and kept when the turn was cut by its length budget. An observation is cut to
+`max_obs_tokens` inside its frame; a frame that no longer fits in `max_total_tokens` ends the
+episode. A str prompt's observations have no frame (the layout above without the chat tokens). The
+warm start lays demonstrations out the same way (pipeline/driver/warm_start.py).
+
 Limits per rollout (task section): `max_turns` model turns, `max_total_tokens` completion tokens
 (model and environment), each turn at most generator.max_new_tokens, each observation at most
 `max_obs_tokens` (cut, counted as obs_truncated). The reward is the task's `reward(prompt,
-transcript)` of the whole transcript (model turns and observations as text) once the episode ends:
+transcript)` of the whole transcript (model turns and observations as text, special tokens and chat
+frames left out: `?:148;148` in both layouts above) once the episode ends:
 group advantages use this final reward; there are no per-turn rewards.
 
 Faults stay with the rollout: `env(item)` or `step` that raises, or runs past `task.env_timeout_s`

@@ -46,9 +46,9 @@ from pipeline.generator.reward_client import RewardModelClient
 from pipeline.generator.rewards import RewardScorer, RolloutStats
 from pipeline.generator.trajectory import (RequestError, Trajectory, WorkSource, check_prompt, check_request,
                                            spans_to_versions)
-from pipeline.model import encode_completion, encode_prompt
 from pipeline.tasks import RewardRejected, load_task
-from pipeline.types import PromptGroup
+from pipeline.tokens import ObservationFrame, PromptError, encode_completion, encode_prompt, observation_frame
+from pipeline.types import Prompt, PromptGroup
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,22 @@ class Episodes:
 
     # ---------------------------------------------------------------- admission
 
-    def prompt_tokens(self, prompt: str) -> tuple[int, ...]:
-        """The prompt's token ids; RequestError if it cannot be tokenised, is empty or leaves no room."""
-        try:
-            ids = tuple(encode_prompt(self.engine.tok, prompt))  # the warm start's way too (pipeline.model)
+    def prompt_tokens(self, prompt: Prompt) -> tuple[int, ...]:
+        """The prompt's token ids (a str as it is, messages through the chat template); RequestError if
+        it cannot be tokenised, is empty or leaves no room."""
+        try:  # the warm start's and every other path's way too (pipeline.tokens)
+            ids = tuple(encode_prompt(self.engine.tok, prompt, self.cfg.task.enable_thinking))
         except Exception as e:
             raise RequestError("prompt_not_tokenizable", f"{type(e).__name__}: {e}") from e
         check_prompt(len(ids), self.g.max_model_len)
         return ids
+
+    def frame(self, prompt: Prompt) -> ObservationFrame:
+        """What wraps an observation in a rollout of `prompt` (envs.py); RequestError if it cannot."""
+        try:
+            return observation_frame(self.engine.tok, prompt, self.cfg.task.enable_thinking)
+        except PromptError as e:
+            raise RequestError("prompt_not_tokenizable", str(e)) from e
 
     def trajectories(self, group: PromptGroup) -> list[Trajectory]:
         """The group's samples, ready to start; RequestError if its prompt cannot be served."""
@@ -165,12 +173,16 @@ class Episodes:
             if not isinstance(obs, str):
                 raise RewardRejected("env_bad_observation", f"step returned {type(obs).__name__}, "
                                                             "not a str (an observation) or None (the end)")
+            frame = self.frame(traj.group.item.prompt)
+            head = frame.head_after(traj.tokens[-1] if traj.tokens else None)
             ids = encode_completion(self.engine.tok, obs)
-            room = min(tc.max_obs_tokens, left - 1)  # keep a token for the model's next turn
+            room = min(tc.max_obs_tokens, left - 1 - len(head) - len(frame.tail))  # a token for the next turn
+            if room < 0:
+                return finish  # a chat observation's frame alone does not fit: the episode ends here
             if len(ids) > room:
                 ids = ids[:room]
                 self.stats.obs_truncated += 1
-            traj.extend_env(ids)
+            traj.extend_env([*head, *ids, *frame.tail], (len(head), len(frame.tail)))
 
     async def _segment(self, traj: Trajectory, rid: str, max_tokens: int) -> str:
         from vllm import SamplingParams
@@ -187,7 +199,7 @@ class Episodes:
         rm = self.rm
         stream = rm is not None and rm.chunk > 0
         sp = SamplingParams(max_tokens=max_tokens, temperature=self.g.temperature, logprobs=0,
-                            ignore_eos=self.g.ignore_eos,
+                            ignore_eos=self.g.ignore_eos, stop_token_ids=self.engine.stop_ids(),
                             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         requests = self.engine.requests
         requests[traj.key] = rid
@@ -233,7 +245,7 @@ class Episodes:
             return  # a sibling failed and the group was released at the buffer
         self.sending += 1
         try:
-            completion = self.engine.tok.decode(traj.tokens, skip_special_tokens=True)
+            completion = self.transcript(traj)
             eos = time.monotonic()
             try:
                 reward = await self.reward(traj, completion)
@@ -263,9 +275,14 @@ class Episodes:
             await self.fail_group(gid, err, f"group {gid} sample {traj.sample_idx}", stage)
         elif isinstance(err, RewardRejected):
             if not self.dead(gid):
-                await self._reject(traj, self.engine.tok.decode(traj.tokens, skip_special_tokens=True), err, stage)
+                await self._reject(traj, self.transcript(traj), err, stage)
         else:
             self.fault.trip(RuntimeError(f"{traj.key}: generation failed: {type(err).__name__}: {err}"))
+
+    def transcript(self, traj: Trajectory) -> str:
+        """The completion as text for the reward: model turns and observations, special tokens (the
+        end of turn) and chat frames left out."""
+        return self.engine.tok.decode(traj.transcript_tokens(), skip_special_tokens=True)
 
     async def reward(self, traj: Trajectory, completion: str) -> float:
         """The task's reward(); with a reward model, reward_model.weight * its score of the whole

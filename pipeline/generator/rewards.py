@@ -30,6 +30,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from pipeline.tasks import RewardRejected, Task
+from pipeline.types import Prompt
 
 __all__ = ["RewardScorer", "RolloutStats", "reject_rate_problem", "REJECT_WINDOW", "REJECT_MIN_SAMPLES", "RECENT"]
 
@@ -59,7 +60,7 @@ class RewardScorer:
         self._slots = asyncio.Semaphore(workers)
         self.overdue = 0
 
-    async def score(self, prompt: str, completion: str) -> float:
+    async def score(self, prompt: Prompt, completion: str) -> float:
         return await self.call(self.task.reward, prompt, completion)
 
     async def call(self, fn, *args, kind: str = "reward"):

@@ -5,7 +5,9 @@ one or more *segments* (vLLM requests): a weight update under `abort`, or a stag
 `carry_over=save`, ends a segment early, and the next segment is submitted with prompt + all tokens
 so far, so generation resumes conditioned on exactly those tokens. Each segment appends its tokens,
 behaviour logprobs and per-token versions; older tokens never change. A multi-turn rollout appends
-environment observations between model turns (`extend_env`, pipeline/generator/envs.py).
+environment observations between model turns (`extend_env`, pipeline/generator/envs.py); a chat
+rollout's observation comes in its template's frame, whose tokens are context but not transcript
+text (`transcript_tokens`: what the reward reads).
 
 Per-token versions come from the engine itself: vLLM labels every engine step with the weight
 version it ran (`update_weight_version`) and returns, for a finished request, the spans
@@ -108,6 +110,7 @@ class Trajectory:
     env: object = None  # multi-turn: this rollout's environment (pipeline/generator/envs.py), made before turn 1
     turns: int = 0  # model turns finished
     turn_start: int = 0  # index in `tokens` where the current model turn began
+    framing: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in `tokens` of chat frames
 
     @property
     def key(self) -> str:
@@ -137,13 +140,27 @@ class Trajectory:
         """The current model turn's tokens so far."""
         return self.tokens[self.turn_start:]
 
-    def extend_env(self, token_ids: list[int]) -> None:
+    def extend_env(self, token_ids: list[int], frame: tuple[int, int] = (0, 0)) -> None:
         """Append an environment observation (not sampled: version ENV_VERSION, logprob 0) and start
-        the next model turn after it."""
+        the next model turn after it. `frame`: how many of `token_ids` at its start and at its end
+        are the chat template's frame (pipeline.tokens.ObservationFrame), not the observation."""
+        start, head, tail = len(self.tokens), *frame
+        self.framing += [(a, b) for a, b in ((start, start + head), (start + len(token_ids) - tail,
+                                                                     start + len(token_ids))) if b > a]
         self.tokens.extend(token_ids)
         self.logprobs.extend([0.0] * len(token_ids))
         self.versions.extend([ENV_VERSION] * len(token_ids))
         self.turn_start = len(self.tokens)
+
+    def transcript_tokens(self) -> list[int]:
+        """`tokens` without the chat frames: the model turns and observations, decoded for the reward."""
+        if not self.framing:
+            return self.tokens
+        keep, at = [], 0
+        for a, b in self.framing:
+            keep += self.tokens[at:a]
+            at = b
+        return keep + self.tokens[at:]
 
     def to_rollout(self, completion: str, finish_reason: str, reward: float, generator_id: int) -> Rollout:
         r = Rollout(group_id=self.group.group_id, sample_idx=self.sample_idx, prompt=self.group.item.prompt,

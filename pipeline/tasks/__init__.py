@@ -3,11 +3,15 @@
 A task is any importable module (or object) named in config by dotted path (`task.name`) with:
 
     def prompts(seed: int, split: str) -> Iterable[PromptItem]   # split: "train" | "eval"
-    def reward(prompt: str, completion: str) -> float           # in [0, 1], partial credit allowed
+    def reward(prompt: Prompt, completion: str) -> float        # in [0, 1], partial credit allowed
     def demonstration(item: PromptItem) -> str                  # optional: the ideal completion
     def env(item: PromptItem) -> Env                             # optional: multi-turn (pipeline/generator/envs.py)
 
-so a user's task lives outside this repository. A task that needs its config (a data file, say)
+so a user's task lives outside this repository. A prompt (PromptItem.prompt) is a str, tokenised as
+it is, or a list of chat messages [{"role": "user", "content": "..."}, ...], rendered by the
+checkpoint's chat template with the generation prompt (pipeline/tokens.py; task.enable_thinking).
+`reward` gets the prompt as the task gave it and the completion as text, the end-of-turn token left
+out. A task that needs its config (a data file, say)
 provides instead a factory `from_config(cfg: TaskConfig)` returning the object with those functions
 (pipeline/tasks/jsonl.py); `load_task` calls it with the run's `task` section. `load_task` checks the
 contract and fails with a message naming what is missing. `Task.reward` checks each answer: a reward
@@ -46,7 +50,7 @@ from typing import Any, Callable, Iterable, Iterator
 from torchdata.nodes import BaseNode, Loader
 
 from pipeline.config import TaskConfig
-from pipeline.types import PromptItem
+from pipeline.types import Prompt, PromptItem
 
 __all__ = ["Task", "TaskError", "RewardRejected", "REWARD_REASONS", "check_reward", "load_task", "open_task",
            "PromptStream", "epoch_order", "take"]
@@ -87,12 +91,12 @@ def check_reward(value: object) -> float:
 class Task:
     name: str
     prompts: Callable[[int, str], Iterable[PromptItem]]
-    reward_fn: Callable[[str, str], float]
+    reward_fn: Callable[[Prompt, str], float]
     demonstration: Callable[[PromptItem], Any] | None = None
     env: Callable[[PromptItem], Any] | None = None
     """Multi-turn environment factory (task.env, else the task's own `env`); None: single-turn."""
 
-    def reward(self, prompt: str, completion: str) -> float:
+    def reward(self, prompt: Prompt, completion: str) -> float:
         """The plug-in's reward, checked; RewardRejected (reward_raised, reward_nan,
         reward_not_a_number) if it cannot be used."""
         try:

@@ -4,9 +4,13 @@
         task.path=examples/tasks/capitals.jsonl task.eval_path=examples/tasks/capitals.jsonl run.epochs=30
 
 One JSON object per line: {"prompt": "...", "answer": "..."} plus an optional "id" (a string or an
-integer, unique within its file; error messages name it). Other keys are ignored and blank lines
-skipped. A bad line (invalid JSON, not an object, a missing key, a prompt or answer that is not a
-string, an empty prompt, a repeated id) fails at load naming file:line, before anything starts.
+integer, unique within its file; error messages name it). A chat prompt is a "messages" key instead
+of "prompt": {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."}],
+"answer": "..."}, rendered by the checkpoint's chat template (pipeline/tokens.py, task.enable_thinking);
+the reward then gets the messages as its prompt. Other keys are ignored and blank lines skipped. A
+bad line (invalid JSON, not an object, a missing key, both "prompt" and "messages", a prompt or
+answer that is not a string, an empty prompt, a message without a str role or content, a repeated
+id) fails at load naming file:line, before anything starts.
 
 Splits: task.path is the train split; task.eval_path, if set, the eval split (a separate file, so
 nothing is silently held out of training). Without it the eval split is empty, and a run with
@@ -30,7 +34,8 @@ from pathlib import Path
 
 from pipeline.config import TaskConfig
 from pipeline.tasks import TaskError
-from pipeline.types import PromptItem
+from pipeline.tokens import PromptError, check_messages
+from pipeline.types import Prompt, PromptItem
 
 __all__ = ["JsonlTask", "from_config", "read_jsonl"]
 
@@ -63,13 +68,22 @@ def read_jsonl(path: str | Path, first_uid: int = 0) -> list[tuple[PromptItem, s
             raise TaskError(f"{at}: invalid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise TaskError(f'{at}: expected a JSON object with "prompt" and "answer", got {type(obj).__name__}')
-        missing = [k for k in ("prompt", "answer") if k not in obj]
+        if "prompt" in obj and "messages" in obj:
+            raise TaskError(f"{at}: both 'prompt' and 'messages'; a line has one of them")
+        key = "messages" if "messages" in obj else "prompt"
+        missing = [k for k in (key, "answer") if k not in obj]
         if missing:
-            raise TaskError(f"{at}: missing key(s) {', '.join(repr(k) for k in missing)}")
-        for k in ("prompt", "answer"):
+            raise TaskError(f"{at}: missing key(s) {', '.join(repr(k) for k in missing)}"
+                            + (" (or 'messages', a chat prompt)" if key in missing else ""))
+        for k in ("prompt", "answer") if key == "prompt" else ("answer",):
             if not isinstance(obj[k], str):
                 raise TaskError(f"{at}: {k!r} must be a string, got {type(obj[k]).__name__} {obj[k]!r}")
-        if not obj["prompt"]:
+        if key == "messages":
+            try:
+                check_messages(obj["messages"])
+            except PromptError as e:
+                raise TaskError(f"{at}: 'messages': {e}") from None
+        elif not obj["prompt"]:
             raise TaskError(f"{at}: 'prompt' is empty")
         if "id" in obj:
             rid = obj["id"]
@@ -79,19 +93,28 @@ def read_jsonl(path: str | Path, first_uid: int = 0) -> list[tuple[PromptItem, s
                 raise TaskError(f"{at}: id {rid!r} repeats {ids[rid]}")
             ids[rid] = at
             at = f"{at} (id {rid!r})"
-        rows.append((PromptItem(uid=first_uid + len(rows), prompt=obj["prompt"], answer=obj["answer"]), at))
+        rows.append((PromptItem(uid=first_uid + len(rows), prompt=obj[key], answer=obj["answer"]), at))
     return rows
+
+
+def _key(prompt: Prompt) -> str | tuple[str, str]:
+    """A prompt as a dict key: a str itself, messages their canonical JSON (apart from any str)."""
+    return prompt if isinstance(prompt, str) else ("messages", json.dumps(prompt, sort_keys=True))
+
+
+def _shown(prompt: Prompt) -> str:
+    return (prompt if isinstance(prompt, str) else json.dumps(prompt))[:80]
 
 
 class JsonlTask:
     def __init__(self, path: str | Path, eval_path: str | Path = ""):
         train = read_jsonl(path)
         evals = read_jsonl(eval_path, first_uid=len(train)) if eval_path else []
-        self._answers: dict[str, tuple[str, str]] = {}  # prompt -> (answer, where)
+        self._answers: dict[str | tuple[str, str], tuple[str, str]] = {}  # _key(prompt) -> (answer, where)
         for item, at in train + evals:
-            seen = self._answers.setdefault(item.prompt, (item.answer, at))
+            seen = self._answers.setdefault(_key(item.prompt), (item.answer, at))
             if seen[0] != item.answer:
-                raise TaskError(f"{at}: prompt {item.prompt[:80]!r} has answer {item.answer[:80]!r}, but "
+                raise TaskError(f"{at}: prompt {_shown(item.prompt)!r} has answer {item.answer[:80]!r}, but "
                                 f"{seen[1]} gives it {seen[0][:80]!r}; the reward looks answers up by prompt, so "
                                 "a prompt must have one answer")
         self._splits = {"train": tuple(i for i, _ in train), "eval": tuple(i for i, _ in evals)}
@@ -101,13 +124,13 @@ class JsonlTask:
             raise ValueError(f"task {NAME!r}: unknown split {split!r}; 'train' or 'eval'")
         return self._splits[split]  # the order is PromptStream's (seeded shuffle per epoch)
 
-    def reward(self, prompt: str, completion: str) -> float:
-        if prompt not in self._answers:
-            raise KeyError(f"prompt {prompt[:80]!r} is in neither task.path nor task.eval_path")
-        answer, got = self._answers[prompt][0].strip(), completion.strip()
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        if _key(prompt) not in self._answers:
+            raise KeyError(f"prompt {_shown(prompt)!r} is in neither task.path nor task.eval_path")
+        answer, got = self._answers[_key(prompt)][0].strip(), completion.strip()
         if got == answer:
             return 1.0
         return difflib.SequenceMatcher(None, got, answer, autojunk=False).ratio()
 
     def demonstration(self, item: PromptItem) -> str:
-        return self._answers[item.prompt][0]
+        return self._answers[_key(item.prompt)][0]
