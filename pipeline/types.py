@@ -12,6 +12,7 @@ it). The trainer's logits at position `t - 1` predict token `t`, so it compares
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,12 @@ Prompt = str | list[dict[str, str]]
 """A task's prompt: a str (tokenised as it is) or a list of chat messages {"role": ..., "content": ...}
 (rendered by the checkpoint's chat template; pipeline/tokens.py). A prompt travels as the task gave
 it (to the reward, in rollouts and in checkpoints: plain lists and dicts, so it pickles as is)."""
+
+
+def prompt_key(prompt: Prompt) -> str | tuple[str, str]:
+    """A prompt as a dict key (a task's answers by prompt): a str itself, messages their canonical JSON."""
+    return prompt if isinstance(prompt, str) else ("messages", json.dumps(prompt, sort_keys=True))
+
 
 ENV_VERSION = -1
 """Version of a token the environment wrote (a multi-turn observation): not sampled, not trained."""

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from pipeline.config import Config, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from actors.trainer import Trainer
 from pipeline.generator.engine import stop_engine
-from pipeline.model import build_model, export_hf, load_tokenizer, model_dir, token_logprobs
+from pipeline.model import build_model, export_hf, model_dir, token_logprobs
+from pipeline.tokens import load_tokenizer
 from pipeline.trainer.parallel import local, resharded
 from pipeline.trainer.snapshots import Proximal
 from pipeline.trainer.step import TrainCore, minibatch_plan

@@ -207,7 +207,8 @@ def test_a_missing_column_names_the_file_and_the_columns_it_has(tmp_path):
 
 @pytest.mark.parametrize("row, why", [
     ({"question": "", "answer": "1"}, "column 'question' must hold a non-empty string prompt"),
-    ({"question": None, "answer": "1"}, "column 'question' must hold a non-empty string prompt, got NoneType"),
+    ({"question": None, "answer": "1"}, "column 'question' must hold a non-empty string prompt or a list of "
+                                         "chat messages, got NoneType"),
     ({"question": "Q?", "answer": None}, "column 'answer' must hold the reference answer .*got NoneType"),
 ])
 def test_a_bad_row_fails_at_load_naming_file_and_row(tmp_path, row, why):
@@ -216,11 +217,16 @@ def test_a_bad_row_fails_at_load_naming_file_and_row(tmp_path, row, why):
         dataset_task(f)
 
 
-def test_chat_messages_are_refused_as_prompts_for_now(tmp_path):
-    f = write_jsonl(tmp_path / "chat.jsonl", [{"question": [{"role": "user", "content": "What is 1+1?"}],
-                                               "answer": "2"}])
-    with pytest.raises(TaskError, match="row 0: .*got list.*chat messages are not supported"):
-        dataset_task(f)
+def test_a_messages_column_gives_chat_prompts_graded_by_prompt_and_bad_messages_name_the_row(tmp_path):
+    chat = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 1+1?"}]
+    f = write_jsonl(tmp_path / "chat.jsonl", [{"question": chat, "answer": "2"}])
+    task = dataset_task(f)
+    (item,) = task.prompts(0, "train")
+    assert item.prompt == chat  # as the task gave it: the generators render it with the chat template
+    assert task.reward(chat, "so it is \\boxed{2}") == 1.0 and task.reward(chat, "3") == 0.0
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": [{"content": "no role"}], "answer": "2"}])
+    with pytest.raises(TaskError, match=r"bad.jsonl row 0: column 'question': .*role"):
+        dataset_task(bad)
 
 
 def test_only_local_files_in_known_formats_are_read(tmp_path):

@@ -35,7 +35,8 @@ import datasets
 from pipeline.config import TaskConfig
 from pipeline.tasks import TaskError
 from pipeline.tasks.graders import Grader, load_grader
-from pipeline.types import PromptItem
+from pipeline.tokens import PromptError, check_messages
+from pipeline.types import Prompt, PromptItem, prompt_key
 
 __all__ = ["DatasetTask", "Row", "from_config", "read_rows", "FORMATS"]
 
@@ -86,11 +87,14 @@ def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0) -> 
     rows: list[Row] = []
     for i, (prompt, answer, solution) in enumerate(zip(prompts, answers, solutions)):
         at = f"{path} row {i}"
-        if not isinstance(prompt, str) or not prompt:
-            raise TaskError(f"{at}: column {names[0]!r} must hold a non-empty string prompt, got "
-                            f"{type(prompt).__name__} {str(prompt)[:80]!r}" +
-                            (" (chat messages are not supported: prompts are strings)" if isinstance(prompt, list)
-                             else ""))
+        if isinstance(prompt, list):  # chat messages, rendered by the checkpoint's template
+            try:
+                check_messages(prompt)
+            except PromptError as e:
+                raise TaskError(f"{at}: column {names[0]!r}: {e}") from None
+        elif not isinstance(prompt, str) or not prompt:
+            raise TaskError(f"{at}: column {names[0]!r} must hold a non-empty string prompt or a list of chat "
+                            f"messages, got {type(prompt).__name__} {str(prompt)[:80]!r}")
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise TaskError(f"{at}: column {names[1]!r} must hold the reference answer (a string or a number), "
                             f"got {type(answer).__name__} {answer!r}")
@@ -106,11 +110,11 @@ class DatasetTask:
         train = read_rows(path, columns)
         evals = read_rows(eval_path, columns, first_uid=len(train)) if eval_path else []
         self.grade = grader
-        self._answers: dict[str, tuple[str, str]] = {}  # prompt -> (answer, where)
+        self._answers: dict = {}  # prompt's key -> (answer, where)
         for item, _, at in train + evals:
-            seen = self._answers.setdefault(item.prompt, (item.answer, at))
+            seen = self._answers.setdefault(prompt_key(item.prompt), (item.answer, at))
             if seen[0] != item.answer:
-                raise TaskError(f"{at}: prompt {item.prompt[:80]!r} has answer {item.answer[-80:]!r}, but "
+                raise TaskError(f"{at}: prompt {str(item.prompt)[:80]!r} has answer {item.answer[-80:]!r}, but "
                                 f"{seen[1]} gives it {seen[0][-80:]!r}; the reward looks answers up by prompt, "
                                 "so a prompt must have one answer")
         self._splits = {"train": tuple(i for i, _, _ in train), "eval": tuple(i for i, _, _ in evals)}
@@ -123,10 +127,10 @@ class DatasetTask:
             raise ValueError(f"task {NAME!r}: unknown split {split!r}; 'train' or 'eval'")
         return self._splits[split]  # the order is PromptStream's (seeded shuffle per epoch)
 
-    def reward(self, prompt: str, completion: str) -> float:
-        if prompt not in self._answers:
-            raise KeyError(f"prompt {prompt[:80]!r} is in neither task.path nor task.eval_path")
-        return self.grade(completion, self._answers[prompt][0])
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        if prompt_key(prompt) not in self._answers:
+            raise KeyError(f"prompt {str(prompt)[:80]!r} is in neither task.path nor task.eval_path")
+        return self.grade(completion, self._answers[prompt_key(prompt)][0])
 
     def _demonstration(self, item: PromptItem) -> str:
         return self._solutions[item.uid]
