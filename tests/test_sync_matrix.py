@@ -56,11 +56,9 @@ class ListSink:
         pass
 
 
-@pytest.fixture(scope="module")
-def pipe(tmp_path_factory):
+def started_job(out_dir):
     loop = asyncio.new_event_loop()
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [*SMALL, f"run.out_dir={tmp_path_factory.mktemp('matrix')}"])
-    p = Job(cfg)
+    p = Job(load_config(REPO / "configs" / "tiny.yaml", [*SMALL, f"run.out_dir={out_dir}"]))
     try:
         loop.run_until_complete(p.start())
         loop.run_until_complete(p.start_generation())
@@ -68,6 +66,18 @@ def pipe(tmp_path_factory):
     finally:
         loop.run_until_complete(shut_down(p))
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    yield from started_job(tmp_path_factory.mktemp("matrix"))
+
+
+@pytest.fixture
+def fresh_pipe(tmp_path):
+    """A job of its own: after the matrix's cases the buffer holds complete batches ahead, so a stage
+    end comes at once after the update and cuts requests that have not sampled yet."""
+    yield from started_job(tmp_path)
 
 
 def run_case(loop, pipe: Job, **changes) -> list[dict]:
@@ -111,11 +121,11 @@ def test_every_transport_and_strategy_advances_served_versions_within_staleness(
     assert stats["admitted_samples"] == stats["trained_samples"] + stats["dropped_samples"] + stats["held_samples"]
 
 
-def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(pipe):
+def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(fresh_pipe):
     """CoPRIS: at each batch the in-flight rollouts end early as partials and resume on the next
     version. Each step is the job's own `TrainLoop.step`, taken while requests are in the engines (when
     generation outruns training, nothing is in flight at a batch and there is nothing to carry)."""
-    loop, p = pipe
+    loop, p = fresh_pipe
     base = p.cfg
     p.cfg = dataclasses.replace(base, generator=dataclasses.replace(base.generator, carry_over="save"))
     p.sync = WeightSync(p.trainer, p.fleet.handles, p.cfg)
@@ -151,7 +161,8 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
         before, after, rows = loop.run_until_complete(asyncio.wait_for(go(), 600))
     finally:
         p.cfg = base
-    assert moved(before, after, "carried_tokens") > 0, f"nothing carried over in {len(rows)} steps"
+    assert moved(before, after, "carried_tokens") > 0, (f"nothing carried over in {len(rows)} steps "
+                                                        f"({moved(before, after, 'carried_samples')} samples carried)")
     assert moved(before, after, "reprefill_tokens") > 0
     assert max(r["staleness/max"] for r in rows) <= p.cfg.buffer.max_staleness
     assert served(loop, p) == [p.version, p.version]
