@@ -51,6 +51,9 @@ BENIGN: tuple[tuple[str, str], ...] = (
     ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend"),
     ("vllm.v1.worker.cpu_worker", "is not found in LD_PRELOAD"),
     ("vllm.v1.engine.input_processor", "Passing raw prompts to InputProcessor is deprecated"),
+    # engine_args turns chunked prefill off on CPU: a split prefill of a seeded request (eval
+    # sampling) kills the CPU engine core, and our models are plain decoders that prefill whole.
+    ("vllm.engine.arg_utils", "does not officially support disabling chunked prefill"),
     # With trainer.lora, at the first request of each adapter: our adapters (pipeline/lora.py) carry
     # no tokenizer, so the base model's is used, which is what we want.
     ("vllm.v1.engine.input_processor", "deprecated support for supporting different tokenizers for different LoRAs"),
