@@ -41,6 +41,17 @@ def one_rank():
     dist.destroy_process_group()
 
 
+@pytest.fixture()
+def restored_environ():
+    """An engine built in this process (under a process group) leaves vLLM's variables in os.environ
+    (LOCAL_WORLD_SIZE among them), which every later engine's proc would inherit and start without its
+    worker process: the environment goes back as it was."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def bf16_cfg(**trainer) -> Config:
     # LoRA adapters switch between requests only; mis_balance needs each sample from one version
     on_update = "abort" if "lora" in trainer else "drain" if "correction" in trainer else "keep"
@@ -233,7 +244,7 @@ def test_bf16_two_rank_fsdp_push_matches_one_rank(loop, tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_serves_exactly_the_bf16_cast_of_the_master(one_rank, tiny_dir, loop):
+def test_vllm_serves_exactly_the_bf16_cast_of_the_master(restored_environ, one_rank, tiny_dir, loop):
     """A bf16 engine loaded by a push from a bf16 TrainCore holds master.to(bf16) bit for bit, read
     back from the engine's parameters (fused projections are the HF tensors concatenated; the CPU
     backend repacks Linear weights for oneDNN and empties them, so those are checked through the
