@@ -20,10 +20,8 @@ count from 0, as `dataset[i]`). Prompts are strings: a column of chat messages i
 
 Reward: the grader (`task.grader`, default pipeline.tasks.graders.math) of the completion against
 the prompt's reference, looked up by prompt, so a prompt has one reference across both files (a
-repeat with the same one is kept, another fails at load naming both rows).
-
-`prompts` returns a tuple: PromptStream shuffles every epoch, the first included, and the files are
-read once per process (`datasets` caches the Arrow conversion under HF_DATASETS_CACHE).
+repeat with the same one is kept, another fails at load naming both rows): pipeline/tasks/answers.py.
+The files are read once per process (`datasets` caches the Arrow conversion under HF_DATASETS_CACHE).
 """
 
 from __future__ import annotations
@@ -36,7 +34,8 @@ from pipeline.config import TaskConfig
 from pipeline.tasks import TaskError
 from pipeline.tasks.graders import Grader, load_grader
 from pipeline.tokens import PromptError, check_messages
-from pipeline.types import Prompt, PromptItem, prompt_key
+from pipeline.tasks.answers import AnswerSplits
+from pipeline.types import Prompt, PromptItem
 
 __all__ = ["DatasetTask", "Row", "from_config", "read_rows", "FORMATS"]
 
@@ -110,27 +109,14 @@ class DatasetTask:
         train = read_rows(path, columns)
         evals = read_rows(eval_path, columns, first_uid=len(train)) if eval_path else []
         self.grade = grader
-        self._answers: dict = {}  # prompt's key -> (answer, where)
-        for item, _, at in train + evals:
-            seen = self._answers.setdefault(prompt_key(item.prompt), (item.answer, at))
-            if seen[0] != item.answer:
-                raise TaskError(f"{at}: prompt {str(item.prompt)[:80]!r} has answer {item.answer[-80:]!r}, but "
-                                f"{seen[1]} gives it {seen[0][-80:]!r}; the reward looks answers up by prompt, "
-                                "so a prompt must have one answer")
-        self._splits = {"train": tuple(i for i, _, _ in train), "eval": tuple(i for i, _, _ in evals)}
+        self.splits = AnswerSplits(NAME, [(i, at) for i, _, at in train], [(i, at) for i, _, at in evals])
+        self.prompts = self.splits.prompts
         if "task.solution_column" in columns:  # only then: the warm start asks for demonstration()
             self._solutions = [s for _, s, _ in train + evals]  # by uid
             self.demonstration = self._demonstration
 
-    def prompts(self, seed: int, split: str) -> tuple[PromptItem, ...]:
-        if split not in self._splits:
-            raise ValueError(f"task {NAME!r}: unknown split {split!r}; 'train' or 'eval'")
-        return self._splits[split]  # the order is PromptStream's (seeded shuffle per epoch)
-
     def reward(self, prompt: Prompt, completion: str) -> float:
-        if prompt_key(prompt) not in self._answers:
-            raise KeyError(f"prompt {str(prompt)[:80]!r} is in neither task.path nor task.eval_path")
-        return self.grade(completion, self._answers[prompt_key(prompt)][0])
+        return self.grade(completion, self.splits.answer(prompt))
 
     def _demonstration(self, item: PromptItem) -> str:
         return self._solutions[item.uid]

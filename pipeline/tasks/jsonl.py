@@ -35,7 +35,8 @@ from pathlib import Path
 from pipeline.config import TaskConfig
 from pipeline.tasks import TaskError
 from pipeline.tokens import PromptError, check_messages
-from pipeline.types import Prompt, PromptItem, prompt_key
+from pipeline.tasks.answers import AnswerSplits
+from pipeline.types import Prompt, PromptItem
 
 __all__ = ["JsonlTask", "from_config", "read_jsonl"]
 
@@ -97,35 +98,17 @@ def read_jsonl(path: str | Path, first_uid: int = 0) -> list[tuple[PromptItem, s
     return rows
 
 
-def _shown(prompt: Prompt) -> str:
-    return (prompt if isinstance(prompt, str) else json.dumps(prompt))[:80]
-
-
 class JsonlTask:
     def __init__(self, path: str | Path, eval_path: str | Path = ""):
         train = read_jsonl(path)
-        evals = read_jsonl(eval_path, first_uid=len(train)) if eval_path else []
-        self._answers: dict[str | tuple[str, str], tuple[str, str]] = {}  # prompt_key(prompt) -> (answer, where)
-        for item, at in train + evals:
-            seen = self._answers.setdefault(prompt_key(item.prompt), (item.answer, at))
-            if seen[0] != item.answer:
-                raise TaskError(f"{at}: prompt {_shown(item.prompt)!r} has answer {item.answer[:80]!r}, but "
-                                f"{seen[1]} gives it {seen[0][:80]!r}; the reward looks answers up by prompt, so "
-                                "a prompt must have one answer")
-        self._splits = {"train": tuple(i for i, _ in train), "eval": tuple(i for i, _ in evals)}
-
-    def prompts(self, seed: int, split: str) -> tuple[PromptItem, ...]:
-        if split not in self._splits:
-            raise ValueError(f"task {NAME!r}: unknown split {split!r}; 'train' or 'eval'")
-        return self._splits[split]  # the order is PromptStream's (seeded shuffle per epoch)
+        self.splits = AnswerSplits(NAME, train, read_jsonl(eval_path, first_uid=len(train)) if eval_path else [])
+        self.prompts = self.splits.prompts
 
     def reward(self, prompt: Prompt, completion: str) -> float:
-        if prompt_key(prompt) not in self._answers:
-            raise KeyError(f"prompt {_shown(prompt)!r} is in neither task.path nor task.eval_path")
-        answer, got = self._answers[prompt_key(prompt)][0].strip(), completion.strip()
+        answer, got = self.splits.answer(prompt).strip(), completion.strip()
         if got == answer:
             return 1.0
         return difflib.SequenceMatcher(None, got, answer, autojunk=False).ratio()
 
     def demonstration(self, item: PromptItem) -> str:
-        return self._answers[prompt_key(item.prompt)][0]
+        return self.splits.answer(item.prompt)
