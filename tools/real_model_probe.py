@@ -19,7 +19,8 @@ until the new version is announced and each phase runs alone on the machine:
                 buffer, the generator's vLLM engine loads it, the shm weight sync is wired
     generate    generation starts; the buffer's first batch (one prompt group of --group-size samples)
     train       one trainer.train_step on that batch (forward, backward, AdamW; AdamW's state is
-                allocated here, on the first step)
+                allocated here, on the first step). Random weights earn no reward, so every advantage
+                is 0: trainer.entropy_coef=1e-3 gives the step a gradient and the push weights that moved
     push        WeightSync.push(1): the master cast to bf16, packed into shm buckets, loaded by the engine
     check       one greedy generation on the pushed weights (the generator reports version 1)
 
@@ -27,7 +28,9 @@ Memory is each process's peak resident set (VmHWM in /proc/PID/status), reset to
 the start of every phase (/proc/PID/clear_refs, "5"), so a phase's figure is its own peak: `trainer`
 is trainer rank 0's proc, `generator` the generator actor's proc, `engine` vLLM's engine-core process
 (its model weights and KV cache), `controller` this process. /dev/shm holds the push's segment
-(tmpfs, RAM too); its size is reported as `shm_mib`. Prints one line per phase and writes the JSON.
+(tmpfs, RAM too); its size is reported as `shm_mib`, and the part of each process's RSS that is
+such shared memory at the end of a phase as `rss_shmem_mib_at_end` (counted in both the trainer's
+and the engine's RSS, once in the machine's RAM). Prints one line per phase and writes the JSON.
 Every process and /dev/shm segment of the job is gone when it returns (the CLI's shutdown, then
 whatever survived it is killed; the tool checks and says so).
 """
@@ -105,6 +108,11 @@ class Procs:
     def peaks_mib(self) -> dict[str, float]:
         return {role: round(vm_kib(pid, "VmHWM") / 1024, 1) for role, pid in self.pids.items()}
 
+    def shared_mib(self) -> dict[str, float]:
+        """Shared memory each process has resident now (RssShmem: the mapped /dev/shm segment, which
+        trainer and engine both count in their RSS)."""
+        return {role: round(vm_kib(pid, "RssShmem") / 1024, 1) for role, pid in self.pids.items()}
+
 
 class Phases:
     """`with phases("train"): ...` times the block and reads every process's peak RSS over it."""
@@ -121,8 +129,8 @@ class Phases:
             ok = True
         finally:
             s = time.monotonic() - t0
-            row = self.done[name] = {"s": round(s, 2), "peak_rss_mib": self.procs.peaks_mib(), "shm_mib": shm_mib(),
-                                     "ok": ok}
+            row = self.done[name] = {"s": round(s, 2), "peak_rss_mib": self.procs.peaks_mib(),
+                                     "rss_shmem_mib_at_end": self.procs.shared_mib(), "shm_mib": shm_mib(), "ok": ok}
             print(f"[probe] {name:<10} {s:7.1f} s  peak RSS MiB "
                   + "  ".join(f"{k} {v:.0f}" for k, v in row["peak_rss_mib"].items())
                   + f"  /dev/shm {row['shm_mib']:.0f} MiB" + ("" if ok else "  FAILED"), flush=True)
