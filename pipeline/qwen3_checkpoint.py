@@ -1,8 +1,9 @@
-"""A Qwen3 checkpoint with real shapes and random weights: Qwen3-0.6B's config.json, bf16 safetensors
+"""A Qwen3 checkpoint with real shapes and random weights: Qwen3-0.6B's (or 1.7B's) config.json, bf16 safetensors
 under HF names, and Qwen3's real tokenizer (pipeline/qwen3.py), so every loader (HF transformers, vLLM,
 this project's torchtitan trainer) takes the path a downloaded Qwen3-0.6B takes.
 
     conf = qwen3_config()                                   # Qwen3-0.6B exactly
+    conf = qwen3_config(model="Qwen3-1.7B")                 # Qwen3-1.7B exactly
     conf = qwen3_config(layers=2, hidden=64, ffn=128, heads=2, kv_heads=1)   # shrunk for tests
     hf_dir = build_checkpoint("/tmp/q3", conf, seed=0)      # writes the folder, returns it
     hf_dir = ensure_checkpoint(conf, seed=0)                # the same, built once under .cache/qwen3
@@ -14,7 +15,7 @@ initialised; the logits of such a model are near uniform over the vocabulary. Li
 Qwen3-0.6B file, model.safetensors stores `lm_head.weight` too, equal to `model.embed_tokens.weight`
 (tied models must load with or without it; this project's own saves leave it out).
 
-    python tools/make_qwen3.py --out DIR [--layers N --hidden H --ffn F --heads Q --kv-heads KV]
+    python tools/make_qwen3.py --out DIR [--model Qwen3-1.7B] [--layers N --hidden H --ffn F --heads Q --kv-heads KV]
 """
 
 from __future__ import annotations
@@ -64,14 +65,23 @@ QWEN3_0_6B: dict = {
 }
 """Qwen3-0.6B's config.json, field for field."""
 
+QWEN3_1_7B: dict = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144}
+"""Qwen3-1.7B's config.json: 0.6B's but hidden 2048 and FFN 6144 (28 layers, 16 query / 8 KV heads of 128,
+the same vocabulary, tied embeddings, 40,960 positions)."""
+
+MODELS: dict[str, dict] = {"Qwen3-0.6B": QWEN3_0_6B, "Qwen3-1.7B": QWEN3_1_7B}
+"""The shapes `qwen3_config(model=...)` starts from, by the name of the Hugging Face repository."""
+
 _FORMAT = 1  # bump when the files written here change
 
 
 def qwen3_config(layers: int | None = None, hidden: int | None = None, ffn: int | None = None,
-                 heads: int | None = None, kv_heads: int | None = None) -> dict:
-    """Qwen3-0.6B's config with the given sizes replaced (None keeps 0.6B's). head_dim stays 128,
-    so the attention width is heads·128 whatever `hidden` is, as in Qwen3 itself."""
-    conf = dict(QWEN3_0_6B)
+                 heads: int | None = None, kv_heads: int | None = None, model: str = "Qwen3-0.6B") -> dict:
+    """`model`'s config (a name in MODELS) with the given sizes replaced (None keeps the model's).
+    head_dim stays 128, so the attention width is heads·128 whatever `hidden` is, as in Qwen3 itself."""
+    if model not in MODELS:
+        raise ValueError(f"qwen3_config: model={model!r} is not one of {', '.join(MODELS)}")
+    conf = dict(MODELS[model])
     for key, value in (("num_hidden_layers", layers), ("hidden_size", hidden), ("intermediate_size", ffn),
                        ("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if value is not None:

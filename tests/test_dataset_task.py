@@ -229,6 +229,21 @@ def test_a_messages_column_gives_chat_prompts_graded_by_prompt_and_bad_messages_
         dataset_task(bad)
 
 
+def test_apply_chat_template_sends_a_string_column_as_one_user_message(tmp_path):
+    f = write_jsonl(tmp_path / "q.jsonl", [{"question": "What is 2+3?", "answer": "5"}])
+    task = dataset_task(f, TRAIN, apply_chat_template=True, solution_column="answer")
+    (item,) = take(task, 0, "train", 9)
+    user = [{"role": "user", "content": "What is 2+3?"}]
+    assert item.prompt == user and task.demonstration(item) == "5"
+    assert task.reward(user, "\\boxed{5}") == 1.0 and task.reward(user, "4") == 0.0
+    ev = take(task, 0, "eval", 100)
+    assert len(ev) == 40 and all(len(i.prompt) == 1 and i.prompt[0]["role"] == "user" for i in ev)
+    assert take(dataset_task(f), 0, "train", 9)[0].prompt == "What is 2+3?"  # off: a string stays raw
+    chat = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 1+1?"}]
+    msgs = write_jsonl(tmp_path / "chat.jsonl", [{"question": chat, "answer": "2"}])
+    assert take(dataset_task(msgs, apply_chat_template=True), 0, "train", 9)[0].prompt == chat  # kept as given
+
+
 def test_only_local_files_in_known_formats_are_read(tmp_path):
     for bad in ("openai/gsm8k", str(tmp_path / "none.parquet")):
         with pytest.raises(ConfigError, match="task.path=.*an existing local file"):

@@ -1,6 +1,7 @@
-"""Write a Qwen3 checkpoint folder with random weights: Qwen3-0.6B's shapes, or a shrunk copy for tests.
+"""Write a Qwen3 checkpoint folder with random weights: Qwen3-0.6B's or 1.7B's shapes, or a shrunk copy for tests.
 
     python tools/make_qwen3.py --out /tmp/qwen3-0.6b                   # Qwen3-0.6B-shaped (~1.5 GB bf16)
+    python tools/make_qwen3.py --out /tmp/qwen3-1.7b --model Qwen3-1.7B    # Qwen3-1.7B-shaped (~4.1 GB bf16)
     python tools/make_qwen3.py --out /tmp/q3 --layers 2 --hidden 64 --ffn 128 --heads 2 --kv-heads 1
 
 The folder is what a downloaded Qwen3-0.6B holds (config.json, model.safetensors in bf16 under HF names,
@@ -21,12 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.qwen3 import CACHE_DIR  # noqa: E402
-from pipeline.qwen3_checkpoint import build_checkpoint, qwen3_config  # noqa: E402
+from pipeline.qwen3_checkpoint import MODELS, build_checkpoint, qwen3_config  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder to write (created; existing files are replaced)")
+    ap.add_argument("--model", default="Qwen3-0.6B", choices=list(MODELS), help="the shape to start from")
     ap.add_argument("--layers", type=int, help="decoder layers (0.6B: 28)")
     ap.add_argument("--hidden", type=int, help="hidden size (0.6B: 1024)")
     ap.add_argument("--ffn", type=int, help="MLP intermediate size (0.6B: 3072)")
@@ -36,7 +38,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=str(REPO / CACHE_DIR), help="where the tokenizer is built once")
     args = ap.parse_args()
     try:
-        conf = qwen3_config(args.layers, args.hidden, args.ffn, args.heads, args.kv_heads)
+        conf = qwen3_config(args.layers, args.hidden, args.ffn, args.heads, args.kv_heads, model=args.model)
     except ValueError as e:
         ap.error(str(e))
     t0 = time.monotonic()

@@ -39,6 +39,10 @@ class TaskConfig:
     solution_column: str = ""
     """pipeline.tasks.dataset: the column holding a worked solution, the demonstration of the warm start
     (run.warm_start_steps); empty: the task has none. GSM8K's answer column is one: solution_column=answer."""
+    apply_chat_template: bool = False
+    """pipeline.tasks.dataset: send each string prompt as one user message ([{"role": "user", "content": prompt}]),
+    rendered by the checkpoint's chat template with the generation prompt, as a column of messages is; what
+    an instruct checkpoint such as Qwen3 was trained on. false: a string prompt is tokenized as it is."""
     grader: str = "pipeline.tasks.graders.math"
     """pipeline.tasks.dataset: dotted path of `grade(completion, reference) -> float` (pipeline/tasks/graders.py:
     math, the boxed or last number checked with math-verify; exact, the exact string)."""

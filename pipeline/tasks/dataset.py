@@ -16,7 +16,9 @@ works; the task has no `demonstration` without it). GSM8K's files have `question
 solution ending in `#### 72`), so the defaults read them and `task.solution_column=answer` gives
 the warm start its solutions. A missing column fails at load naming the file and the columns it
 has; a bad value (a missing or non-string prompt, a missing answer) names the file and row (rows
-count from 0, as `dataset[i]`). Prompts are strings: a column of chat messages is refused.
+count from 0, as `dataset[i]`). A prompt is a string or a list of chat messages (checked like the JSONL
+task's); with `task.apply_chat_template` a string becomes one user message, so an instruct checkpoint gets
+a plain question column (GSM8K's) through its chat template.
 
 Reward: the grader (`task.grader`, default pipeline.tasks.graders.math) of the completion against
 the prompt's reference, looked up by prompt, so a prompt has one reference across both files (a
@@ -52,7 +54,7 @@ def from_config(cfg: TaskConfig) -> "DatasetTask":
     columns = {"task.prompt_column": cfg.prompt_column, "task.answer_column": cfg.answer_column}
     if cfg.solution_column:
         columns["task.solution_column"] = cfg.solution_column
-    return DatasetTask(cfg.path, cfg.eval_path, columns, load_grader(cfg.grader))
+    return DatasetTask(cfg.path, cfg.eval_path, columns, load_grader(cfg.grader), cfg.apply_chat_template)
 
 
 def load(path: Path) -> datasets.Dataset:
@@ -71,9 +73,10 @@ def load(path: Path) -> datasets.Dataset:
             datasets.enable_progress_bars()
 
 
-def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0) -> list[Row]:
+def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0, chat: bool = False) -> list[Row]:
     """(item, solution or None, where) per row of `path`; `columns` maps config key -> column name
-    (prompt, answer and optionally solution, in that order). TaskError names the file and row."""
+    (prompt, answer and optionally solution, in that order); `chat`: a string prompt becomes one user
+    message. TaskError names the file and row."""
     path = Path(path)
     ds = load(path)
     missing = [f"{c!r} ({key})" for key, c in columns.items() if c not in ds.column_names]
@@ -100,14 +103,17 @@ def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0) -> 
         if len(names) > 2 and not isinstance(solution, str):
             raise TaskError(f"{at}: column {names[2]!r} must hold a solution string, got "
                             f"{type(solution).__name__} {solution!r}")
+        if chat and isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
         rows.append((PromptItem(uid=first_uid + i, prompt=prompt, answer=str(answer)), solution, at))
     return rows
 
 
 class DatasetTask:
-    def __init__(self, path: str | Path, eval_path: str | Path, columns: dict[str, str], grader: Grader):
-        train = read_rows(path, columns)
-        evals = read_rows(eval_path, columns, first_uid=len(train)) if eval_path else []
+    def __init__(self, path: str | Path, eval_path: str | Path, columns: dict[str, str], grader: Grader,
+                 chat: bool = False):
+        train = read_rows(path, columns, chat=chat)
+        evals = read_rows(eval_path, columns, first_uid=len(train), chat=chat) if eval_path else []
         self.grade = grader
         self.splits = AnswerSplits(NAME, [(i, at) for i, _, at in train], [(i, at) for i, _, at in evals])
         self.prompts = self.splits.prompts
