@@ -1,0 +1,113 @@
+"""The planner (pipeline/sim/, tools/plan.py): cost files, the simulator's invariants, and its
+predictions against runs measured here (tools/plan_data/validation.json, recorded by
+`tools/plan.py validate`). Pure and fast: no Monarch, no vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.sim import (CostFileError, UnmodelledConfig, costs_from_dict, load_costs, simulate,
+                          workload_from_spec)
+from pipeline.sim.pipeline import sim_config
+from pipeline.sim.workload import RewardCurve, WorkloadError
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tools" / "plan_data"
+BENCH = ["task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", "generator.max_new_tokens=96",
+         "buffer.batch_groups=8", "buffer.group_size=4"]
+COSTS = {"generator": {"iter_base_s": 0.002, "iter_per_seq_s": 5e-5, "iter_per_ctx_token_s": 0.0,
+                       "prefill_per_token_s": 1e-5, "request_overhead_s": 5e-4},
+         "trainer": {"step_base_s": 0.05, "epoch_base_s": 0.0, "per_token_s": 5e-5, "padding": "max"},
+         "push": {"bytes": 1.2e6, "pack_base_s": 0.005, "pack_per_byte_s": 0.0, "transfer_base_s": 0.005,
+                  "transfer_per_byte_s": 0.0, "load_base_s": 0.025, "load_per_byte_s": 0.0},
+         "controller": {"step_overhead_s": 0.01}, "source": "test figures"}
+
+
+def _cfg(*overrides: str):
+    return load_config("configs/tiny.yaml", [*BENCH, "run.steps=12", *overrides])
+
+
+def _run(*overrides: str, costs: dict = COSTS, lengths: str = "lognormal:12,1.0,96,10", steps: int = 12):
+    cfg = _cfg(*overrides)
+    return simulate(cfg, costs_from_dict(costs), workload_from_spec(lengths, cfg),
+                    RewardCurve("flat", start=0.3, noise=0.1), steps=steps).summary()
+
+
+def test_cost_file_missing_component_or_key_is_an_error_naming_it(tmp_path):
+    d = {k: v for k, v in COSTS.items() if k != "push"}
+    with pytest.raises(CostFileError, match=r"missing component\(s\) \['push'\]"):
+        costs_from_dict(d)
+    d = json.loads(json.dumps(COSTS))
+    del d["generator"]["iter_per_seq_s"]
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(CostFileError, match=r"c.json: missing cost\(s\) \['generator.iter_per_seq_s'\]"):
+        load_costs(p)
+    d = json.loads(json.dumps(COSTS))
+    d["trainer"]["per_tokn_s"] = 1.0
+    with pytest.raises(CostFileError, match="trainer.per_tokn_s"):
+        costs_from_dict(d)
+
+
+def test_unmodelled_config_and_unknown_lengths_are_errors_naming_the_key():
+    with pytest.raises(UnmodelledConfig, match="buffer.zero_signal"):
+        _run("buffer.zero_signal=drop")
+    with pytest.raises(UnmodelledConfig, match="run.epochs"):
+        _run("run.epochs=1")
+    with pytest.raises(WorkloadError, match="ignore_eos=false"):
+        workload_from_spec("task", _cfg("generator.ignore_eos=false"))
+
+
+def test_sync_mode_is_the_drivers_sync_config():
+    from pipeline.driver.job import sync_mode_config
+
+    cfg = _cfg("run.mode=sync")
+    assert sim_config(cfg) == sync_mode_config(cfg)
+
+
+def test_sync_run_drops_nothing_and_async_overlaps_generation():
+    sync, asyn = _run("run.mode=sync"), _run("run.mode=async", "buffer.max_staleness=2")
+    assert sync["dropped_samples"] == 0 and set(sync["staleness_hist"]) == {0}
+    assert asyn["tokens_per_s"] > 1.2 * sync["tokens_per_s"]
+    assert asyn["generator_idle_frac"] < sync["generator_idle_frac"]
+    assert max(asyn["staleness_hist"]) <= 2
+
+
+@pytest.mark.parametrize("on_update", ["keep", "abort", "drain"])
+def test_max_staleness_zero_never_deadlocks_under_each_update_mode(on_update):
+    s = _run("buffer.max_staleness=0", f"generator.on_update={on_update}", "generator.num_generators=2", steps=8)
+    assert s["steps"] == 7 and set(s["staleness_hist"]) == {0}
+    if on_update == "abort":
+        assert s["reprefill_tokens"] > 0
+
+
+def test_more_epochs_cost_train_time_and_carry_over_save_reprefills():
+    e1, e3 = _run(), _run("trainer.epochs=3")
+    assert e3["train_s"] > 2 * e1["train_s"] - 0.1
+    save = _run("generator.carry_over=save")
+    assert save["reprefill_tokens"] > 0
+
+
+def test_prediction_within_tolerance_of_the_recorded_real_runs():
+    """Each recorded configuration, simulated again from the committed cost file, agrees with the
+    run measured here: async/sync tokens/s ratio within 10%, trainer idle and dropped fraction
+    within 0.05 absolute."""
+    rec = json.loads((DATA / "validation.json").read_text())
+    costs = load_costs(DATA / rec["costs"])
+    for case in rec["cases"]:
+        pred = {}
+        for mode in ("sync", "async"):
+            cfg = load_config("configs/tiny.yaml", [*case["overrides"], f"run.mode={mode}"])
+            pred[mode] = simulate(cfg, costs, workload_from_spec("task", cfg), steps=case["steps"]).summary()
+        real = case["real"]
+        ratio_p = pred["async"]["tokens_per_s"] / pred["sync"]["tokens_per_s"]
+        ratio_r = real["async"]["tokens_per_s"] / real["sync"]["tokens_per_s"]
+        assert abs(ratio_p / ratio_r - 1) <= 0.10, (case["name"], ratio_p, ratio_r)
+        for mode in ("sync", "async"):
+            for key in ("trainer_idle_frac", "dropped_frac"):
+                assert abs(pred[mode][key] - real[mode][key]) <= 0.05, (case["name"], mode, key, pred[mode][key],
+                                                                         real[mode][key])

@@ -1,0 +1,116 @@
+"""`tools/plan.py validate`: the simulator's prediction beside tools/pipeline_bench.py runs measured here.
+
+    # the real runs, one configuration at a time under the lock (~90 s each):
+    flock /tmp/rl-heavy.lock python tools/pipeline_bench.py --repeats 1 --steps 12 --out bench_out/val/e3_s2 \
+        trainer.epochs=3 buffer.max_staleness=2
+    python tools/plan.py validate bench_out/val --costs tools/plan_data/costs_here.json \
+        --record tools/plan_data/validation.json --plot docs/img/planner_validation.png
+
+Every directory under RUNS holding pipeline_bench output (sync0/, async0/, ... and a `<name>.txt`
+log beside it or a `cmd.txt` inside it with the pipeline_bench arguments) is one configuration;
+its overrides are recovered from the name table CASES (or the log) and simulated from the cost
+file with the same config and the task's own lengths. Per configuration: async/sync tokens/s
+ratio (target: within 10% of the real one), trainer idle and dropped fraction per mode (within
+0.05 absolute). Real figures are medians over the repeats. --record writes it all (the real figures
+too) so tests/test_planner.py can check the prediction without running anything heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.sim import load_costs, real_summary, simulate, workload_from_spec
+from pipeline.sim.report import plot_runs, real_rows
+
+CASES = {
+    "e1_s1_adaptive": ([], 96),
+    "e3_s1_adaptive": (["trainer.epochs=3"], 96),
+    "e1_s0_adaptive": (["buffer.max_staleness=0"], 96),
+    "e3_s2_adaptive": (["trainer.epochs=3", "buffer.max_staleness=2"], 96),
+    "e1_s2_fixed4": (["buffer.overcommit=fixed", "buffer.delta=4", "buffer.max_staleness=2"], 96),
+    "e1_s1_len192": ([], 192),
+    "e3_s1_abort": (["trainer.epochs=3", "generator.on_update=abort"], 96),
+    "e1_s1_save": (["generator.carry_over=save"], 96),
+}
+"""pipeline_bench configurations: name -> (extra overrides, --max-tokens); B=8, G=4, 12 steps."""
+
+KEYS = ("tokens_per_s", "samples_per_s", "trainer_idle_frac", "generator_idle_frac", "dropped_frac",
+        "dropped_samples", "mean_staleness", "wasted_tokens", "batch_wait_s", "train_s")
+
+
+def bench_overrides(extra: list[str], max_tokens: int, steps: int = 12, B: int = 8, G: int = 4) -> list[str]:
+    """The config tools/pipeline_bench.py runs (its `measure` overrides, placement aside: the cost file holds it)."""
+    return ["task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", f"generator.max_new_tokens={max_tokens}",
+            f"buffer.batch_groups={B}", f"buffer.group_size={G}", f"run.steps={steps}", "run.eval_every=0",
+            "run.warm_start_steps=0", *extra]
+
+
+def _median(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in KEYS}
+
+
+def compare(name: str, run_dir: Path, costs, config: str = "configs/tiny.yaml") -> dict:
+    extra, max_tokens = CASES[name]
+    steps = 12
+    case = {"name": name, "overrides": bench_overrides(extra, max_tokens, steps), "steps": steps,
+            "real": {}, "predicted": {}, "rows": {}}
+    for mode in ("sync", "async"):
+        reps = sorted(run_dir.glob(f"{mode}[0-9]*/summary.json"))
+        if not reps:
+            raise FileNotFoundError(f"{run_dir}: no {mode}N/summary.json (a finished pipeline_bench run)")
+        case["real"][mode] = _median([real_summary(p.parent) for p in reps])
+        case["real"][mode]["repeats"] = len(reps)
+        cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
+        res = simulate(cfg, costs, workload_from_spec("task", cfg), steps=steps)
+        s = res.summary()
+        case["predicted"][mode] = {k: s[k] for k in KEYS} | {"staleness_hist": s["staleness_hist"]}
+        case["rows"][mode] = {"simulated": res.rows_dicts(), "real": real_rows(reps[0].parent)}
+    r, p = case["real"], case["predicted"]
+    case["ratio_real"] = r["async"]["tokens_per_s"] / r["sync"]["tokens_per_s"]
+    case["ratio_predicted"] = p["async"]["tokens_per_s"] / p["sync"]["tokens_per_s"]
+    case["ratio_error"] = case["ratio_predicted"] / case["ratio_real"] - 1
+    case["within"] = abs(case["ratio_error"]) <= 0.10 and all(
+        abs(p[m][k] - r[m][k]) <= 0.05 for m in ("sync", "async") for k in ("trainer_idle_frac", "dropped_frac"))
+    return case
+
+
+def table(cases: list[dict]) -> str:
+    lines = ["| configuration | async/sync real | predicted | error | trainer idle sync real / pred | async real / pred "
+             "| dropped frac async real / pred | within targets |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for c in cases:
+        r, p = c["real"], c["predicted"]
+        lines.append(f"| {c['name']} | {c['ratio_real']:.2f}x | {c['ratio_predicted']:.2f}x | {c['ratio_error']:+.0%} | "
+                     f"{r['sync']['trainer_idle_frac']:.2f} / {p['sync']['trainer_idle_frac']:.2f} | "
+                     f"{r['async']['trainer_idle_frac']:.2f} / {p['async']['trainer_idle_frac']:.2f} | "
+                     f"{r['async']['dropped_frac']:.2f} / {p['async']['dropped_frac']:.2f} | "
+                     f"{'yes' if c['within'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def validate(runs: Path, costs_path: str, record: str | None, plot: str | None) -> int:
+    costs = load_costs(costs_path)
+    cases = []
+    for d in sorted(p for p in runs.iterdir() if p.is_dir() and p.name in CASES):
+        try:
+            cases.append(compare(d.name, d, costs))
+        except FileNotFoundError as e:
+            print(f"skipped: {e}")
+    if not cases:
+        raise SystemExit(f"validate: no finished pipeline_bench runs named {sorted(CASES)} under {runs}")
+    print(table(cases))
+    if record:
+        Path(record).write_text(json.dumps({"costs": Path(costs_path).name, "cases": [
+            {k: v for k, v in c.items() if k != "rows"} for c in cases]}, indent=1))
+        print(f"wrote {record}")
+    if plot:
+        base = Path(plot)
+        for c in cases:
+            p = base.with_name(f"{base.stem}_{c['name']}{base.suffix}")
+            plot_runs({f"{m} {k}": rows for m in ("sync", "async") for k, rows in c["rows"][m].items()}, p,
+                      f"{c['name']}: simulated (dashed) vs real")
+        print(f"wrote {base.stem}_<case>{base.suffix} plots")
+    return 0 if all(c["within"] for c in cases) else 1
