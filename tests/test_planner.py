@@ -20,7 +20,8 @@ DATA = REPO / "tools" / "plan_data"
 BENCH = ["task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", "generator.max_new_tokens=96",
          "buffer.batch_groups=8", "buffer.group_size=4"]
 COSTS = {"generator": {"iter_base_s": 0.002, "iter_per_seq_s": 5e-5, "iter_per_ctx_token_s": 0.0,
-                       "prefill_per_token_s": 1e-5, "request_overhead_s": 5e-4},
+                       "prefill_per_token_s": 1e-5, "request_overhead_s": 5e-4,
+                       "admit_s": 0.002},
          "trainer": {"step_base_s": 0.05, "epoch_base_s": 0.0, "per_token_s": 5e-5, "padding": "max"},
          "push": {"bytes": 1.2e6, "pack_base_s": 0.005, "pack_per_byte_s": 0.0, "transfer_base_s": 0.005,
                   "transfer_per_byte_s": 0.0, "load_base_s": 0.025, "load_per_byte_s": 0.0},

@@ -127,15 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--lengths", default="task")
     r.add_argument("--steps", type=int, default=30)
     r.add_argument("--max-idle", type=float, default=0.15, help="target: trainer idle below this")
-    r.add_argument("--max-stale", type=float, default=0.5, help="target: fraction of trained samples with staleness > 0")
+    r.add_argument("--max-stale", type=float, default=1.0, help="target: fraction of trained samples with staleness > 0")
+    r.add_argument("--max-dropped", type=float, default=0.2, help="target: fraction of finished samples dropped")
+    r.add_argument("--generator-devices", type=int, default=0,
+                   help="generators that run at full speed at once (0: each its own device; this machine: 1)")
     r.add_argument("--max-generators", type=int, default=8, help="per trainer rank")
     r.add_argument("overrides", nargs="*")
     r.set_defaults(fn=cmd_recommend)
     p = sub.add_parser("papers", help="reproduce published async/sync speedups from their stated setups")
     p.add_argument("--dir", default=str(REPO / "tools" / "plan_data" / "papers"))
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--only", help="scenarios whose file name contains this")
     p.set_defaults(fn=cmd_papers)
-    a = ap.parse_args(argv)
+    a, rest = ap.parse_known_args(argv)  # key=value overrides may follow the options too
+    bad = [x for x in rest if x.startswith("-") or "=" not in x or not hasattr(a, "overrides")]
+    if bad:
+        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    if rest:
+        a.overrides = [*a.overrides, *rest]
     try:
         return a.fn(a)
     except (CostFileError, UnmodelledConfig, WorkloadError, ConfigError) as e:

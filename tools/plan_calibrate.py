@@ -11,9 +11,10 @@ Each component with the project's real pieces, placed as tools/pipeline_bench.py
               (n = 4..32 concurrent, 4..96 tokens, short and long prompts), each timed from the first
               admit to the last rollout received. Fitted, non-negative least squares, per wave:
                   T = n·p·prefill + L·(base + n·per_seq + n·(p + L/2)·per_ctx) + n·overhead
+              and admit_s, the median gap between a wave's consecutive admit calls
   trainer     the Trainer actor (actors/trainer.py) on synthetic batches (tools/trainer_bench.py's),
               N=32 samples of T=16..112 tokens, trainer.epochs 1 and 3: step = base + epochs·(epoch
-              + per_token·N·T)
+              + per_token·N·T); and its push call (trainer_bench's push_overlap), the push's pack_base_s
   push        tools/sync_bench.py (shm or the configured transport) on the tiny model (loaded into
               vLLM) and a ~100M dict (200 MB, no vLLM): pack and transfer against bytes; the vLLM load
               of the tiny model; its per-byte term is taken as the transfer's (a 100M load into vLLM
@@ -21,7 +22,8 @@ Each component with the project's real pieces, placed as tools/pipeline_bench.py
   controller  a short real run of the CLI (run.mode=sync, fixed 4-token responses, 6 steps): per
               step, the time that is neither the batch wait, the train call nor the push
 
-Writes the cost file (JSON) and calibration.json (every raw measurement, the fits, their residuals).
+Writes the cost file (JSON) and <name>_calibration.json beside it (every raw measurement, the fits,
+their residuals); the runs' own outputs go to bench_out/plan_calibration/.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pipeline.sim.costs import costs_from_dict
 from pipeline.types import PromptGroup, PromptItem
 from tools.gen_bench import ListSource
 from tools.pipeline_bench import placement
-from tools.trainer_bench import synthetic_batch
+from tools.trainer_bench import push_overlap, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,9 +68,12 @@ class TimedSource(ListSource):
         self.items.extend(items)
         self.count = self.tokens = 0
         self.t_first = self.t_last = None
+        self.admits: list[float] = []
 
     @endpoint
     async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
+        if self.items:
+            self.admits.append(time.monotonic())
         if self.items and self.t_first is None:
             self.t_first = time.monotonic()
         if not self.items:
@@ -84,8 +89,10 @@ class TimedSource(ListSource):
         self.t_last = time.monotonic()
 
     @endpoint
-    async def wave(self) -> tuple[int, float]:
-        return self.count, (self.t_last - self.t_first) if self.t_last and self.t_first else float("nan")
+    async def wave(self) -> tuple[int, float, list[float]]:
+        """(rollouts received, first admit to last rollout, gaps between consecutive admits)."""
+        gaps = [b - a for a, b in zip(self.admits, self.admits[1:])]
+        return self.count, (self.t_last - self.t_first) if self.t_last and self.t_first else float("nan"), gaps
 
 
 def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -134,7 +141,8 @@ async def measure_generator(cfg: Config, reps: int) -> list[dict]:
                         raise TimeoutError(f"generator wave n={n} L={L}: {c[0]} of {n} rollouts after 120 s")
                     await asyncio.sleep(0.01)
                 if rep:
-                    rows.append({"n": n, "L": L, "prompt_tokens": len(encode_prompt(tok, prompt, None)), "s": c[1]})
+                    rows.append({"n": n, "L": L, "prompt_tokens": len(encode_prompt(tok, prompt, None)), "s": c[1],
+                                 "admit_gaps_s": c[2]})
             say(f"generator: pass {rep}/{reps} done")
         await gen.end_stage.call_one("keep")
         await gen.shutdown.call_one()
@@ -154,7 +162,10 @@ def fit_generator(rows: list[dict]) -> tuple[dict, float]:
     pred = np.array(X) @ coef
     err = float(np.median(np.abs(pred - np.array(y)) / np.array(y)))
     keys = ["prefill_per_token_s", "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "request_overhead_s"]
-    return dict(zip(keys, map(float, coef))), err
+    # one admit call's round trip: consecutive admits of a wave, as the admission loop fetches groups one by one
+    gaps = [g for r in rows for g in r["admit_gaps_s"]]
+    admit_s = statistics.median(gaps) if gaps else 0.0
+    return dict(zip(keys, map(float, coef))) | {"admit_s": float(admit_s)}, err
 
 
 async def measure_trainer(cfg: Config, reps: int) -> list[dict]:
@@ -174,9 +185,11 @@ async def measure_trainer(cfg: Config, reps: int) -> list[dict]:
                     t0 = time.perf_counter()
                     await trainer.train_step(synthetic_batch(n, T, 8, vocab, rep + 1))
                     rows.append({"epochs": epochs, "n": n, "T": T, "s": time.perf_counter() - t0})
+            if epochs == 1:  # the trainer's push call (snapshot, pack, actor round trip), as WeightSync.start awaits it
+                pushes = await push_overlap(trainer, [synthetic_batch(32, 48, 8, vocab, 9)] * 4, lambda msg: None)
         finally:
             await trainer.close()
-    return rows
+    return rows, pushes["push_s_median"]
 
 
 def fit_trainer(rows: list[dict]) -> tuple[dict, float]:
@@ -231,27 +244,30 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     """Measure every component (module docstring); write the cost file and calibration.json beside it."""
     overrides = [*placement("disjoint"), *overrides]
     cfg = load_config(config, overrides)
-    out = out_file.parent / (out_file.stem + "_calibration")
+    out = REPO / "bench_out" / "plan_calibration" / out_file.stem  # raw runs (checkpoints, logs): not committed
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     gen_rows = asyncio.run(measure_generator(cfg, reps))
     gen, gen_err = fit_generator(gen_rows)
     say(f"generator fit {gen} (median error {gen_err:.1%})")
-    tr_rows = asyncio.run(measure_trainer(cfg, reps))
+    tr_rows, push_call_s = asyncio.run(measure_trainer(cfg, reps))
     tr, tr_err = fit_trainer(tr_rows)
     say(f"trainer fit {tr} (median error {tr_err:.1%})")
     push = measure_push(cfg, out)
     raw_push = push.pop("_raw")
+    # the trainer waits for its whole push call, not only the pack sync_bench times
+    push["pack_base_s"] = max(push["pack_base_s"], push_call_s - push["pack_per_byte_s"] * push["bytes"])
     ctl, other = measure_controller(config, overrides, out)
     say(f"push {push}; controller {ctl}")
     costs = {"generator": gen, "trainer": tr, "push": push, "controller": ctl,
              "source": f"tools/plan.py calibrate --config {config} {' '.join(overrides)} on {time.strftime('%Y-%m-%d')}"}
     costs_from_dict(costs, str(out_file))  # checked before it is written
     out_file.write_text(json.dumps(costs, indent=1))
-    (out / "calibration.json").write_text(json.dumps(
+    record = out_file.with_name(out_file.stem + "_calibration.json")
+    record.write_text(json.dumps(
         {"generator": {"rows": gen_rows, "fit": gen, "median_rel_error": gen_err},
-         "trainer": {"rows": tr_rows, "fit": tr, "median_rel_error": tr_err},
+         "trainer": {"rows": tr_rows, "fit": tr, "median_rel_error": tr_err, "push_call_s": push_call_s},
          "push": {"fit": push, "sync_bench": raw_push}, "controller": {"per_step_other_s": other, "fit": ctl},
          "seconds": time.monotonic() - t0}, indent=1, default=str))
-    say(f"wrote {out_file} and {out / 'calibration.json'} in {time.monotonic() - t0:.0f} s")
+    say(f"wrote {out_file} and {record} in {time.monotonic() - t0:.0f} s")
     return costs

@@ -6,10 +6,9 @@
     python tools/plan.py validate bench_out/val --costs tools/plan_data/costs_here.json \
         --record tools/plan_data/validation.json --plot docs/img/planner_validation.png
 
-Every directory under RUNS holding pipeline_bench output (sync0/, async0/, ... and a `<name>.txt`
-log beside it or a `cmd.txt` inside it with the pipeline_bench arguments) is one configuration;
-its overrides are recovered from the name table CASES (or the log) and simulated from the cost
-file with the same config and the task's own lengths. Per configuration: async/sync tokens/s
+Every directory under RUNS named in CASES holds one configuration's pipeline_bench output
+(sync0/, async0/, ..., and more repeats in subdirectories, e.g. rep2/sync0/); it is simulated from
+the cost file with the same config (CASES gives its overrides) and the task's own lengths. Per configuration: async/sync tokens/s
 ratio (target: within 10% of the real one), trainer idle and dropped fraction per mode (within
 0.05 absolute). Real figures are medians over the repeats. --record writes it all (the real figures
 too) so tests/test_planner.py can check the prediction without running anything heavy.
@@ -58,7 +57,7 @@ def compare(name: str, run_dir: Path, costs, config: str = "configs/tiny.yaml") 
     case = {"name": name, "overrides": bench_overrides(extra, max_tokens, steps), "steps": steps,
             "real": {}, "predicted": {}, "rows": {}}
     for mode in ("sync", "async"):
-        reps = sorted(run_dir.glob(f"{mode}[0-9]*/summary.json"))
+        reps = sorted(run_dir.glob(f"**/{mode}[0-9]*/summary.json"))  # repeats may sit in subdirectories
         if not reps:
             raise FileNotFoundError(f"{run_dir}: no {mode}N/summary.json (a finished pipeline_bench run)")
         case["real"][mode] = _median([real_summary(p.parent) for p in reps])

@@ -9,6 +9,8 @@ it, never a default): the planner must not predict from a number nobody measured
         iter_per_ctx_token_s  + seconds per token of context held by the running requests (KV reads)
         prefill_per_token_s   seconds per prompt (or re-prefilled) token when a request starts
         request_overhead_s    seconds per finished request outside the engine (reward, send to the buffer)
+        admit_s               seconds from an admit call to its group reaching the generator (one call
+                              in flight per generator: groups arrive one by one)
     trainer:      one optimizer step on a batch of N samples padded to T tokens
         step_base_s           seconds per step whatever its size (the call, optimizer, metrics)
         epoch_base_s          + seconds per PPO epoch (trainer.epochs)
@@ -16,7 +18,7 @@ it, never a default): the planner must not predict from a number nobody measured
         padding               "max" (the batch is right-padded to its longest sample) | "none" (packed)
     push:         one weight push of `bytes` bytes to every generator
         bytes                 bytes pushed (the model's weights as sent)
-        pack_base_s, pack_per_byte_s          the trainer's snapshot and pack (the trainer waits for it)
+        pack_base_s, pack_per_byte_s          the trainer's push call: snapshot and pack (the trainer waits for it)
         transfer_base_s, transfer_per_byte_s  into each generator's staging (generation goes on)
         load_base_s, load_per_byte_s          into the engine (generation stalls under keep)
     controller:
@@ -57,6 +59,7 @@ class GeneratorCosts:
     iter_per_ctx_token_s: float
     prefill_per_token_s: float
     request_overhead_s: float
+    admit_s: float
 
     def iter_s(self, running: int, context: float) -> float:
         """One decode iteration with `running` requests holding `context` tokens in all."""

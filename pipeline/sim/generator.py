@@ -13,8 +13,9 @@ What it models, after pipeline/generator/:
     drain stops starting requests, lets the running ones finish on the old weights, then loads.
   * Stage ends (generator.carry_over=save): running requests become partials, generation parks
     until the next update, and the partials resume first, re-prefilled.
-  * A sample's versions: its first token's version, then the version it finished under (what the
-    buffer's staleness uses: the oldest). `busy_s` counts time with a slot held, as RolloutStats.
+  * A sample's versions: its first token's version (the engine's when that token is sampled, after
+    the prefill: a request submitted just before an update and prefilled after it is fresh), then
+    the version it finished under (what the buffer's staleness uses: the oldest). `busy_s` counts time with a slot held, as RolloutStats.
 
 Example:
     gen = SimGenerator(0, cfg.generator, costs.generator)
@@ -70,14 +71,16 @@ class SimGenerator:
         self.draining_to: int | None = None  # drain: the version to load once nothing runs
         self.update_done_at: float | None = None  # when the update in progress completes
         self._on_update_done = None
+        self.admitting = False  # one admit call in flight at a time (the admission loop awaits each)
         self.busy_s = 0.0
         self.generated_tokens = 0.0
         self.reprefill_tokens = 0
 
     # ---- admission --------------------------------------------------------------------------
     def wants_group(self) -> bool:
-        """The admission loop fetches a group while fewer than N' samples wait (and not parked)."""
-        return not self.parked and len(self.pending) < self.g.concurrency
+        """The admission loop fetches a group while fewer than N' samples wait (not parked, and its
+        previous admit call has returned)."""
+        return not self.parked and not self.admitting and len(self.pending) < self.g.concurrency
 
     def load(self) -> int:
         return len(self.active) + len(self.pending) + len(self.carried)
@@ -96,8 +99,6 @@ class SimGenerator:
                 s.reprefill += int(s.done)
                 self.reprefill_tokens += int(s.done)
             self.debt += self.c.prefill_per_token_s * ctx
-            if s.v_first is None:
-                s.v_first = self.version
             self.active.append(s)
 
     # ---- clock ------------------------------------------------------------------------------
@@ -138,6 +139,8 @@ class SimGenerator:
             it = self.c.iter_s(n, ctx + n * r / 2)
             tokens = min(dt / it, r) if it > 0 else r
             for s in self.active:
+                if s.v_first is None:  # a token's version is the engine's when it is sampled, not at submission
+                    s.v_first = self.version
                 s.done += tokens
             self.generated_tokens += tokens * n
         done = [s for s in self.active if s.remaining <= 1e-6]

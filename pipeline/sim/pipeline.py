@@ -143,9 +143,18 @@ class _Sim:
                         break
                     group = self.buf.admit(item, lessee)
                 plen, lengths = self.shapes[group.group_id] = self.workload.shape(group.item)
-                gen.enqueue([SimSample(group.group_id, i, plen, lengths[i], 0.0, lessee) for i in range(G)])
+                samples = [SimSample(group.group_id, i, plen, lengths[i], 0.0, lessee) for i in range(G)]
+                if self.costs.generator.admit_s > 0:  # the group reaches the generator one round trip later
+                    gen.admitting = True
+                    self.at(self.now + self.costs.generator.admit_s, lambda t, g=gen, ss=samples: self._arrive(g, ss))
+                else:
+                    gen.enqueue(samples)
         for gen in self.gens:
             gen.refill(self.now)
+
+    def _arrive(self, gen: SimGenerator, samples: list[SimSample]) -> None:
+        gen.admitting = False
+        gen.enqueue(samples)
 
     def deliver(self, gen: SimGenerator, s: SimSample) -> None:
         m = max(1, math.ceil(s.length / self.scale))
