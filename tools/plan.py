@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="measure the component costs here (heavy: hold the lock)")
     c.add_argument("--config", default="configs/tiny.yaml")
     c.add_argument("--out", default="tools/plan_data/costs_here.json")
-    c.add_argument("--reps", type=int, default=2)
+    c.add_argument("--reps", type=int, default=3, help="repeats per measured case (medians are fitted)")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_calibrate)
     v = sub.add_parser("validate", help="simulate each tools/pipeline_bench.py run under RUNS and compare")
@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-idle", type=float, default=0.15, help="target: trainer idle below this")
     r.add_argument("--max-stale", type=float, default=1.0, help="target: fraction of trained samples with staleness > 0")
     r.add_argument("--max-dropped", type=float, default=0.2, help="target: fraction of finished samples dropped")
+    r.add_argument("--total-devices", type=int, default=0,
+                   help="devices for trainer ranks and generators together (the cost file's trainer is then one rank)")
     r.add_argument("--generator-devices", type=int, default=0,
                    help="generators that run at full speed at once (0: each its own device; this machine: 1)")
     r.add_argument("--max-generators", type=int, default=8, help="per trainer rank")

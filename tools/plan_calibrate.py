@@ -152,9 +152,18 @@ async def measure_generator(cfg: Config, reps: int) -> list[dict]:
     return rows
 
 
+def _median_per_case(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """One row per case with the median time over its repeats: a burst of other work on the shared
+    cores slows one repeat, not all."""
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cases.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return [{**rs[0], "s": statistics.median(r["s"] for r in rs)} for rs in cases.values()]
+
+
 def fit_generator(rows: list[dict]) -> tuple[dict, float]:
     X, y = [], []
-    for r in rows:
+    for r in _median_per_case(rows, ("n", "L", "prompt_tokens")):
         n, L, p = r["n"], r["L"], r["prompt_tokens"]
         X.append([n * p, L, L * n, L * n * (p + L / 2), n])
         y.append(r["s"])
@@ -193,6 +202,7 @@ async def measure_trainer(cfg: Config, reps: int) -> list[dict]:
 
 
 def fit_trainer(rows: list[dict]) -> tuple[dict, float]:
+    rows = _median_per_case(rows, ("epochs", "n", "T"))
     X = np.array([[1.0, r["epochs"], r["epochs"] * r["n"] * r["T"]] for r in rows])
     y = np.array([r["s"] for r in rows])
     coef = nnls(X, y)

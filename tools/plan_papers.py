@@ -18,6 +18,11 @@ A scenario file (YAML) states what the paper gives and what had to be assumed:
                                                 optional: one unknown of the workload solved by
                                                 bisection so the simulated sync arm matches a
                                                 stated figure; the async arm is then a prediction
+    implied: {cost: trainer.step_base_s, lo, hi}   optional, for a paper that does not state a cost
+                                                the speedup hinges on: the value of that cost (in
+                                                both arms, scaled alike) at which the simulated
+                                                speedup equals the reported one, to set beside
+                                                what the paper's setup makes plausible
 
 The speedup is the ratio of trained tokens/s (async over sync), as the papers compare time for the
 same number of samples.
@@ -33,7 +38,8 @@ import yaml
 from pipeline.config import load_config
 from pipeline.sim import costs_from_dict, simulate, workload_from_spec
 
-_KEYS = {"name", "reported", "source", "stated", "assumed", "scale", "lengths", "overrides", "costs", "arms", "fit"}
+_KEYS = {"name", "reported", "source", "stated", "assumed", "scale", "lengths", "overrides", "costs", "arms", "fit",
+         "implied"}
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -76,6 +82,44 @@ def solve(sc: dict, steps: int) -> tuple[str, str]:
     return lengths, f"fitted {fit['param']}={value:.4g} so that the simulated {fit['target']} = {fit['value']}"
 
 
+def _with_cost(sc: dict, cost: str, value: float) -> dict:
+    """The scenario with `cost` (section.key) set to `value` in the base costs and scaled alike in
+    every arm that overrides it."""
+    sec, key = cost.split(".")
+    out = copy.deepcopy(sc)
+    base = out["costs"][sec][key]
+    out["costs"][sec][key] = value
+    for arm in out["arms"].values():
+        over = (arm or {}).get("costs", {}).get(sec, {})
+        if key in over:
+            over[key] = over[key] * value / base if base else value
+    return out
+
+
+def implied(sc: dict, steps: int, lengths: str) -> str:
+    """The value of sc['implied']['cost'] at which the simulated speedup is the reported mid-point."""
+    imp = sc["implied"]
+    target = sum(sc["reported"]) / 2
+    lo, hi = float(imp["lo"]), float(imp["hi"])
+    what = imp["cost"]
+    on_lengths = what.startswith("lengths.")  # lengths.sigma / lengths.median: the workload, not a cost
+
+    def speedup(v: float) -> float:
+        s2, ln = (sc, _lengths(lengths, **{what.split(".")[1]: v})) if on_lengths else (_with_cost(sc, what, v), lengths)
+        return run_arm(s2, "async", steps, ln)["tokens_per_s"] / run_arm(s2, "sync", steps, ln)["tokens_per_s"]
+    rising = speedup(hi) > speedup(lo)  # a heavier tail helps async; a dearer trainer hides less generation
+    for _ in range(10):
+        mid = (lo * hi) ** 0.5
+        above = speedup(mid) > target
+        lo, hi = (lo, mid) if above == rising else (mid, hi)
+    value = (lo * hi) ** 0.5
+    if value >= 0.99 * float(imp["hi"]) or value <= 1.01 * float(imp["lo"]):
+        return f"no {what} in [{imp['lo']}, {imp['hi']}] gives {target:.2f}x with the other assumptions"
+    assumed = (dict(zip(("median", "sigma", "cap", "prompt"), lengths.split(":")[1].split(",")))[what.split(".")[1]]
+               if on_lengths else sc["costs"][what.split(".")[0]][what.split(".")[1]])
+    return f"the reported {target:.2f}x needs {what} = {value:.3g} (assumed {assumed})"
+
+
 def load_scenario(path: Path) -> dict:
     sc = yaml.safe_load(path.read_text())
     unknown = set(sc) - _KEYS
@@ -106,6 +150,8 @@ def papers(a) -> int:
             print(f"   assumed: {s}")
         if fitted:
             print(f"   {fitted}")
+        if sc.get("implied"):
+            print(f"   implied: {implied(sc, a.steps, lengths)}")
         for arm, s in res.items():
             print(f"   {arm:<6} step {s['wall_s'] / s['steps']:8.1f} s  wait {s['batch_wait_s']:7.1f} s  train "
                   f"{s['train_s']:7.1f} s  trainer idle {s['trainer_idle_frac']:.2f}  generator idle "

@@ -5,6 +5,10 @@
 
 Targets: trainer idle below --max-idle, at most --max-stale of the trained samples off-policy
 (staleness >= 1) and at most --max-dropped of the finished samples dropped (their tokens wasted).
+--total-devices D: D devices (GPUs) for trainer ranks and generators together: k generators per
+rank leaves D // (k+1) ranks, and the cost file's trainer figures are read as one rank's
+(per_token_s divided by the ranks, data parallel). Without it, trainer.num_ranks ranks and the
+cost file's trainer as a whole.
 --generator-devices D: the hardware runs D generators at full speed (one GPU each, or this
 machine's cores for generators); with more, each generator's costs scale by k/D, as engines
 sharing a device do (0: every generator brings its own device). The search, each point a simulated run of --steps steps (pipeline/sim/):
@@ -25,7 +29,6 @@ k · trainer.num_ranks generators in all.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from pipeline.config import load_config
 from pipeline.sim import Costs, load_costs, simulate, workload_from_spec
@@ -59,10 +62,20 @@ def _line(tag: str, s: dict) -> str:
 
 
 def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float, max_dropped: float,
-         max_gens: int, devices: int = 0) -> dict:
+         max_gens: int, devices: int = 0, total: int = 0) -> dict:
     """The search of the module docstring; returns the choice and every simulated point (printed as it goes)."""
-    R, B = cfg.trainer.num_ranks, cfg.buffer.batch_groups
-    run = functools.partial(_sim, cfg, costs, lengths, steps, devices)
+    B = cfg.buffer.batch_groups
+
+    def ranks(k: int) -> int:
+        """Trainer ranks with k generators per rank: trainer.num_ranks, or what --total-devices leaves."""
+        return total // (k + 1) if total else cfg.trainer.num_ranks
+
+    def run(k: int, **changes) -> dict:
+        R = ranks(k)
+        c = costs
+        if total:  # the cost file's trainer is one rank's: R data-parallel ranks share each step's tokens
+            c = dataclasses.replace(costs, trainer=dataclasses.replace(costs.trainer, per_token_s=costs.trainer.per_token_s / R))
+        return _sim(cfg, c, lengths, steps, devices, g_num_generators=k * R, **changes)
 
     def within(s: dict) -> bool:
         return s["stale_frac"] <= max_stale and s["dropped_frac"] <= max_dropped
@@ -72,10 +85,12 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
     print(f"1. generators per trainer rank x max_staleness (keep updates, Δ = η·B = {B}·η), {steps} steps each:")
     grid = {}
     for k in range(1, max_gens + 1):
+        if ranks(k) < 1:
+            break
         for eta in ETAS:
-            s = grid[k, eta] = run(g_num_generators=k * R, g_on_update="keep",
+            s = grid[k, eta] = run(k, g_on_update="keep",
                                     b_max_staleness=eta, b_overcommit="fixed", b_delta=eta * B)
-            print(_line(f"k={k} η={eta}", s) + ("   <- meets both" if ok(s) else ""))
+            print(_line(f"k={k} ({k * ranks(k)} gen, {ranks(k)} rank) η={eta}", s) + ("   <- meets both" if ok(s) else ""))
         if any(ok(grid[k, e]) for e in ETAS):
             break
     meeting = [key for key, s in grid.items() if ok(s)]
@@ -95,7 +110,7 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
                f"limits it")
     print(f"   -> {k} generator(s) per trainer rank, max_staleness={eta}: {why}")
     print(f"2. update mode at k={k}, η={eta}:")
-    modes = {m: run(g_num_generators=k * R, g_on_update=m, b_max_staleness=eta,
+    modes = {m: run(k, g_on_update=m, b_max_staleness=eta,
                      b_overcommit="fixed", b_delta=eta * B) for m in ("keep", "abort", "drain")}
     for m, s in modes.items():
         print(_line(m, s))
@@ -104,7 +119,7 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
     print(f"   -> on_update={mode}: the most tokens/s{' among those meeting the targets' if meeting else ''}")
     print(f"3. over-commitment Δ at k={k}, η={eta}, {mode}:")
     deltas = sorted({0, *range(0, eta * B + 1, max(1, B // 4)), eta * B})
-    dres = {d: run(g_num_generators=k * R, g_on_update=mode, b_max_staleness=eta,
+    dres = {d: run(k, g_on_update=mode, b_max_staleness=eta,
                     b_overcommit="fixed" if d else "none", b_delta=d) for d in deltas}
     for d, s in dres.items():
         print(_line(f"Δ={d}", s))
@@ -112,9 +127,10 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
     dmax = min(d for d, s in dres.items() if s["tokens_per_s"] >= 0.97 * best)
     print(f"   -> Δ in [0, {dmax}]: Δ={dmax} is within 3% of the best tokens/s ({best:.0f}); beyond it more "
           f"over-commitment only adds staleness")
-    rec = {"generators_per_rank": k, "num_generators": k * R, "max_staleness": eta, "on_update": mode,
+    R = ranks(k)
+    rec = {"generators_per_rank": k, "num_generators": k * R, "trainer_ranks": R, "max_staleness": eta, "on_update": mode,
            "delta_min": 0, "delta_max": dmax, "meets_targets": bool(meeting), "figures": dres[dmax]}
-    print(f"\nrecommended: generator.num_generators={k * R} buffer.max_staleness={eta} generator.on_update={mode} "
+    print(f"\nrecommended: trainer.num_ranks={R} generator.num_generators={k * R} buffer.max_staleness={eta} generator.on_update={mode} "
           f"buffer.overcommit=adaptive buffer.delta_min=0 buffer.delta_max={dmax} buffer.delta={dmax}"
           f"{'' if meeting else '   (targets NOT met: see step 1)'}")
     print(_line("predicted (fixed Δ=Δ*)", dres[dmax]))
@@ -124,5 +140,5 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
 def recommend(a) -> int:
     cfg = load_config(a.config, a.overrides)
     rec = plan(cfg, load_costs(a.costs), a.lengths, a.steps, a.max_idle, a.max_stale, a.max_dropped,
-               a.max_generators, a.generator_devices)
+               a.max_generators, a.generator_devices, a.total_devices)
     return 0 if rec["meets_targets"] else 1
