@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 
@@ -46,7 +47,8 @@ class SimSample:
     length: int  # tokens it will have when done
     reward: float
     lessee: tuple[int, int]
-    done: float = 0.0  # tokens so far (fluid)
+    done: float = 0.0  # tokens so far (fluid), while not running; running: _Running.done(s)
+    offset: float = 0.0
     v_first: int | None = None
     reprefill: int = 0
 
@@ -55,13 +57,81 @@ class SimSample:
         return self.length - self.done
 
 
+class _Running:
+    """The requests in the engine. Every running request gains the same tokens per iteration, so
+    each keeps its offset against one shared progress counter `P` (tokens so far = P + offset) and
+    the next to finish is the top of a heap keyed by length - offset: O(log n) per event, not O(n)."""
+
+    def __init__(self):
+        self.P = 0.0
+        self._heap: list[tuple[float, int, SimSample]] = []
+        self._seq = 0
+        self.sum_prompt = 0
+        self.sum_offset = 0.0
+        self._fresh: list[SimSample] = []  # no token sampled yet: their first token's version is still open
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (s for _, _, s in self._heap)
+
+    def add(self, s: SimSample) -> None:
+        s.offset = s.done - self.P
+        heapq.heappush(self._heap, (s.length - s.offset, self._seq, s))
+        self._seq += 1
+        self.sum_prompt += s.prompt_len
+        self.sum_offset += s.offset
+        if s.v_first is None:
+            self._fresh.append(s)
+
+    def done(self, s: SimSample) -> float:
+        return self.P + s.offset
+
+    def min_remaining(self) -> float:
+        return self._heap[0][0] - self.P
+
+    def context(self) -> float:
+        """Tokens held by the running requests: prompts plus what each generated."""
+        return self.sum_prompt + len(self._heap) * self.P + self.sum_offset
+
+    def progress(self, tokens: float, version: int) -> None:
+        for s in self._fresh:  # a token's version is the engine's when it is sampled, not at submission
+            s.v_first = version
+        self._fresh = []
+        self.P += tokens
+
+    def pop_finished(self) -> list[SimSample]:
+        out = []
+        while self._heap and self._heap[0][0] - self.P <= 1e-6:
+            _, _, s = heapq.heappop(self._heap)
+            self._drop(s)
+            s.done = s.length
+            out.append(s)
+        return out
+
+    def take_all(self) -> list[SimSample]:
+        """Every running request, out of the engine, with its tokens so far in `done`."""
+        out = [s for _, _, s in sorted(self._heap, key=lambda x: x[1])]
+        for s in out:
+            s.done = self.P + s.offset
+        self._heap, self._fresh, self.sum_prompt, self.sum_offset = [], [], 0, 0.0
+        return out
+
+    def _drop(self, s: SimSample) -> None:
+        self.sum_prompt -= s.prompt_len
+        self.sum_offset -= s.offset
+        if not self._heap:  # exact zero again: no drift from adding and subtracting floats
+            self.sum_prompt, self.sum_offset = 0, 0.0
+
+
 class SimGenerator:
     """See the module docstring."""
 
     def __init__(self, gid: int, g: GeneratorConfig, costs: GeneratorCosts):
         self.gid, self.g, self.c = gid, g, costs
         self.version = 0
-        self.active: list[SimSample] = []
+        self.active = _Running()
         self.pending: deque[SimSample] = deque()
         self.carried: deque[SimSample] = deque()
         self.debt = 0.0  # engine seconds owed before decoding goes on
@@ -99,13 +169,9 @@ class SimGenerator:
                 s.reprefill += int(s.done)
                 self.reprefill_tokens += int(s.done)
             self.debt += self.c.prefill_per_token_s * ctx
-            self.active.append(s)
+            self.active.add(s)
 
     # ---- clock ------------------------------------------------------------------------------
-    def _iter_s(self) -> float:
-        ctx = sum(s.prompt_len + s.done for s in self.active)
-        return self.c.iter_s(len(self.active), ctx)
-
     def next_event(self, now: float) -> float | None:
         """The next time this generator's state changes by itself (None: it waits for others)."""
         if self.paused_until is not None:
@@ -113,10 +179,9 @@ class SimGenerator:
         if self.debt > _EPS:
             return now + self.debt
         if self.active:
-            r = min(s.remaining for s in self.active)
+            r, n = self.active.min_remaining(), len(self.active)
             # iteration cost at the interval's mid context: the context grows as tokens are made
-            ctx = sum(s.prompt_len + s.done for s in self.active) + len(self.active) * r / 2
-            return now + max(r, 0.0) * self.c.iter_s(len(self.active), ctx)
+            return now + max(r, 0.0) * self.c.iter_s(n, self.active.context() + n * r / 2)
         return None
 
     def advance(self, now: float, t: float) -> list[SimSample]:
@@ -133,21 +198,13 @@ class SimGenerator:
         self.debt -= use
         dt -= use
         if dt > _EPS and self.active and self.debt <= _EPS:
-            r = min(s.remaining for s in self.active)
-            ctx = sum(s.prompt_len + s.done for s in self.active)
-            n = len(self.active)
-            it = self.c.iter_s(n, ctx + n * r / 2)
+            r, n = self.active.min_remaining(), len(self.active)
+            it = self.c.iter_s(n, self.active.context() + n * r / 2)
             tokens = min(dt / it, r) if it > 0 else r
-            for s in self.active:
-                if s.v_first is None:  # a token's version is the engine's when it is sampled, not at submission
-                    s.v_first = self.version
-                s.done += tokens
+            self.active.progress(tokens, self.version)
             self.generated_tokens += tokens * n
-        done = [s for s in self.active if s.remaining <= 1e-6]
-        for s in done:
-            s.done = s.length
-            self.active.remove(s)
-            self.debt += self.c.request_overhead_s
+        done = self.active.pop_finished()
+        self.debt += self.c.request_overhead_s * len(done)
         if self.draining_to is not None and not self.active:
             self._start_load(t, self.draining_to)
         return done
@@ -165,9 +222,10 @@ class SimGenerator:
         elif mode == "abort":
             self.gate_open = False
             for s in self.active:  # resubmitted after the load with prompt + tokens so far
-                s.reprefill += int(s.done)
-                self.reprefill_tokens += int(s.done)
-                self.debt += self.c.prefill_per_token_s * (s.prompt_len + int(s.done))
+                d = int(self.active.done(s))
+                s.reprefill += d
+                self.reprefill_tokens += d
+                self.debt += self.c.prefill_per_token_s * (s.prompt_len + d)
         self._start_load(now, version)
 
     def _start_load(self, now: float, version: int) -> None:
@@ -186,6 +244,5 @@ class SimGenerator:
 
     def end_stage_save(self) -> None:
         """carry_over=save: every running request becomes a partial, resumed first after the next update."""
-        self.carried.extend(self.active)
-        self.active = []
+        self.carried.extend(self.active.take_all())
         self.parked = True
