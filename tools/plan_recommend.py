@@ -5,25 +5,29 @@
 
 Targets: trainer idle below --max-idle, at most --max-stale of the trained samples off-policy
 (staleness >= 1) and at most --max-dropped of the finished samples dropped (their tokens wasted).
---total-devices D: D devices (GPUs) for trainer ranks and generators together: k generators per
-rank leaves D // (k+1) ranks, and the cost file's trainer figures are read as one rank's
-(per_token_s divided by the ranks, data parallel). Without it, trainer.num_ranks ranks and the
-cost file's trainer as a whole.
+--total-devices D: D devices (GPUs) for trainer ranks and generators together: every split into
+R = D // (k+1) trainer ranks (k = 1..--max-generators) and D - R generators is a candidate, and the cost file's trainer
+figures are read as one rank's (per_token_s divided by R: data parallel). Without it,
+trainer.num_ranks ranks, the cost file's trainer as a whole, and k·ranks generators.
 --generator-devices D: the hardware runs D generators at full speed (one GPU each, or this
 machine's cores for generators); with more, each generator's costs scale by k/D, as engines
-sharing a device do (0: every generator brings its own device). The search, each point a simulated run of --steps steps (pipeline/sim/):
+sharing a device do (0: every generator brings its own device).
 
- 1. generators per trainer rank k = 1..--max-generators and max_staleness η = 0..3, with keep
+The search, each point a simulated run of --steps steps (pipeline/sim/):
+
+ 1. generators per trainer rank k = 1..--max-generators and max_staleness η = 0..4, with keep
     updates and Δ = η·B (the most over-commitment the staleness bound lets through): the smallest
-    k, then the smallest η, that meets both targets; none does: the point with the least idle
-    among those within the staleness bound (or the least idle at all), and why.
+    k, then the smallest η, that meets every target; none does: the point that misses them least
+    (the sum of each miss relative to its bound), naming what it misses.
  2. update mode keep / abort / drain at that (k, η): the fastest that still meets the targets.
  3. Δ: fixed Δ = 0 .. η·B; Δ bounds [0, Δ*] with Δ* the smallest Δ within 3% of the best
     tokens/s (adaptive Δ decays to delta_min on a reward plateau and grows towards Δ* while
     the reward rises; a Δ above η·B is inert, see pipeline/buffer.py).
-Each choice is printed with the simulated figures that made it. The trainer's cost in the cost
-file is the configured trainer's (trainer.num_ranks ranks), so k generators per rank means
-k · trainer.num_ranks generators in all.
+Each choice is printed with the simulated figures that made it.
+
+Example:
+    rec = plan(cfg, load_costs(p), "task", steps=20, max_idle=0.15, max_stale=1.0, max_dropped=0.2, max_gens=4)
+    rec["num_generators"], rec["max_staleness"], rec["on_update"], rec["delta_max"]
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import dataclasses
 from pipeline.config import load_config
 from pipeline.sim import Costs, load_costs, simulate, workload_from_spec
 
-ETAS = (0, 1, 2, 3)
+ETAS = (0, 1, 2, 3, 4)
 
 
 def shared(costs: Costs, generators: int, devices: int) -> Costs:
@@ -66,16 +70,24 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
     """The search of the module docstring; returns the choice and every simulated point (printed as it goes)."""
     B = cfg.buffer.batch_groups
 
-    def ranks(k: int) -> int:
-        """Trainer ranks with k generators per rank: trainer.num_ranks, or what --total-devices leaves."""
-        return total // (k + 1) if total else cfg.trainer.num_ranks
+    if total:  # (trainer ranks, generators) using every device, generators per rank rising
+        ranks = sorted({total // (k + 1) for k in range(1, max_gens + 1)} - {0}, reverse=True)
+        splits = [(R, total - R) for R in ranks]
+    else:
+        splits = [(cfg.trainer.num_ranks, k * cfg.trainer.num_ranks) for k in range(1, max_gens + 1)]
+    if not splits:
+        raise ValueError(f"recommend: no split of --total-devices {total} has at most {max_gens} generators per rank")
 
-    def run(k: int, **changes) -> dict:
-        R = ranks(k)
+    def run(i: int, **changes) -> dict:
+        R, n = splits[i]
         c = costs
         if total:  # the cost file's trainer is one rank's: R data-parallel ranks share each step's tokens
             c = dataclasses.replace(costs, trainer=dataclasses.replace(costs.trainer, per_token_s=costs.trainer.per_token_s / R))
-        return _sim(cfg, c, lengths, steps, devices, g_num_generators=k * R, **changes)
+        return _sim(cfg, c, lengths, steps, devices, g_num_generators=n, **changes)
+
+    def name(i: int) -> str:
+        R, n = splits[i]
+        return f"{n / R:g}/rank ({n} gen, {R} rank)"
 
     def within(s: dict) -> bool:
         return s["stale_frac"] <= max_stale and s["dropped_frac"] <= max_dropped
@@ -84,13 +96,11 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
         return s["trainer_idle_frac"] < max_idle and within(s)
     print(f"1. generators per trainer rank x max_staleness (keep updates, Δ = η·B = {B}·η), {steps} steps each:")
     grid = {}
-    for k in range(1, max_gens + 1):
-        if ranks(k) < 1:
-            break
+    for k in range(len(splits)):
         for eta in ETAS:
             s = grid[k, eta] = run(k, g_on_update="keep",
                                     b_max_staleness=eta, b_overcommit="fixed", b_delta=eta * B)
-            print(_line(f"k={k} ({k * ranks(k)} gen, {ranks(k)} rank) η={eta}", s) + ("   <- meets both" if ok(s) else ""))
+            print(_line(f"{name(k)} η={eta}", s) + ("   <- meets both" if ok(s) else ""))
         if any(ok(grid[k, e]) for e in ETAS):
             break
     meeting = [key for key, s in grid.items() if ok(s)]
@@ -101,15 +111,19 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
                f"that count (stale fraction {grid[k, eta]['stale_frac']:.2f} <= {max_stale}, dropped "
                f"{grid[k, eta]['dropped_frac']:.2f} <= {max_dropped})")
     else:
-        bounded = [key for key, s in grid.items() if within(s)] or list(grid)
-        k, eta = min(bounded, key=lambda key: (grid[key]["trainer_idle_frac"], key))
+        def miss(s: dict) -> float:  # how far a point is from the targets, each relative to its bound
+            return (max(0.0, s["trainer_idle_frac"] - max_idle) / max_idle + max(0.0, s["stale_frac"] - max_stale)
+                    / max(max_stale, 1e-9) + max(0.0, s["dropped_frac"] - max_dropped) / max(max_dropped, 1e-9))
+        k, eta = min(grid, key=lambda key: (round(miss(grid[key]), 3), key))
         s = grid[k, eta]
-        bound = "generation" if s["generator_idle_frac"] < 0.1 else "training or the push"
-        why = (f"no point meets the targets; this one has the least trainer idle ({s['trainer_idle_frac']:.2f}) "
-               f"within the staleness and drop bounds; the generators are idle {s['generator_idle_frac']:.2f}, so {bound} "
-               f"limits it")
-    print(f"   -> {k} generator(s) per trainer rank, max_staleness={eta}: {why}")
-    print(f"2. update mode at k={k}, η={eta}:")
+        missed = [f"{what} {s[key]:.2f} > {bound}" for what, key, bound in (
+            ("trainer idle", "trainer_idle_frac", max_idle), ("stale fraction", "stale_frac", max_stale),
+            ("dropped", "dropped_frac", max_dropped)) if s[key] > bound]
+        limit = "generation" if s["generator_idle_frac"] < 0.1 else "training or the push"
+        why = (f"no point meets every target; this one misses them least ({', '.join(missed)}); its generators "
+               f"are idle {s['generator_idle_frac']:.2f}, so {limit} limits it")
+    print(f"   -> {name(k)}, max_staleness={eta}: {why}")
+    print(f"2. update mode at {name(k)}, η={eta}:")
     modes = {m: run(k, g_on_update=m, b_max_staleness=eta,
                      b_overcommit="fixed", b_delta=eta * B) for m in ("keep", "abort", "drain")}
     for m, s in modes.items():
@@ -117,7 +131,7 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
     good = [m for m in modes if ok(modes[m])] or list(modes)
     mode = max(good, key=lambda m: modes[m]["tokens_per_s"])
     print(f"   -> on_update={mode}: the most tokens/s{' among those meeting the targets' if meeting else ''}")
-    print(f"3. over-commitment Δ at k={k}, η={eta}, {mode}:")
+    print(f"3. over-commitment Δ at {name(k)}, η={eta}, {mode}:")
     deltas = sorted({0, *range(0, eta * B + 1, max(1, B // 4)), eta * B})
     dres = {d: run(k, g_on_update=mode, b_max_staleness=eta,
                     b_overcommit="fixed" if d else "none", b_delta=d) for d in deltas}
@@ -127,10 +141,10 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
     dmax = min(d for d, s in dres.items() if s["tokens_per_s"] >= 0.97 * best)
     print(f"   -> Δ in [0, {dmax}]: Δ={dmax} is within 3% of the best tokens/s ({best:.0f}); beyond it more "
           f"over-commitment only adds staleness")
-    R = ranks(k)
-    rec = {"generators_per_rank": k, "num_generators": k * R, "trainer_ranks": R, "max_staleness": eta, "on_update": mode,
+    R, n = splits[k]
+    rec = {"generators_per_rank": n / R, "num_generators": n, "trainer_ranks": R, "max_staleness": eta, "on_update": mode,
            "delta_min": 0, "delta_max": dmax, "meets_targets": bool(meeting), "figures": dres[dmax]}
-    print(f"\nrecommended: trainer.num_ranks={R} generator.num_generators={k * R} buffer.max_staleness={eta} generator.on_update={mode} "
+    print(f"\nrecommended: trainer.num_ranks={R} generator.num_generators={n} buffer.max_staleness={eta} generator.on_update={mode} "
           f"buffer.overcommit=adaptive buffer.delta_min=0 buffer.delta_max={dmax} buffer.delta={dmax}"
           f"{'' if meeting else '   (targets NOT met: see step 1)'}")
     print(_line("predicted (fixed Δ=Δ*)", dres[dmax]))

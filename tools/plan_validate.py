@@ -38,6 +38,7 @@ CASES = {
     "e1_s1_len192": ([], 192),
     "e3_s1_abort": (["trainer.epochs=3", "generator.on_update=abort"], 96),
     "e1_s1_save": (["generator.carry_over=save"], 96),
+    "e3_s3_rec": (["trainer.epochs=3", "buffer.max_staleness=3", "buffer.delta=6", "buffer.delta_max=6"], 96),
 }
 """pipeline_bench configurations: name -> (extra overrides, --max-tokens); B=8, G=4, 12 steps."""
 
