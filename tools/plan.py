@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.config import ConfigError, load_config  # noqa: E402
-from pipeline.sim import (CostFileError, UnmodelledConfig, WorkloadError, load_costs, real_summary,  # noqa: E402
-                          reward_from_spec, simulate, workload_from_spec)
+from pipeline.sim import (CostFileError, UnmodelledConfig, WorkloadError, check_modelled, load_costs,  # noqa: E402
+                          real_summary, reward_from_spec, simulate, workload_from_spec)
 from pipeline.sim.report import plot_runs, real_rows  # noqa: E402
 from tools.plan_validate import validate  # noqa: E402
 
@@ -47,6 +47,7 @@ def fmt_summary(name: str, s: dict) -> str:
 
 def cmd_simulate(a) -> int:
     cfg = load_config(a.config, a.overrides)
+    check_modelled(cfg)  # an unmodelled config is named before anything else is read
     res = simulate(cfg, load_costs(a.costs), workload_from_spec(a.lengths, cfg, a.seed),
                    reward_from_spec(a.reward), steps=a.steps, seed=a.seed)
     s = res.summary()

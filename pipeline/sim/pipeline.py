@@ -75,6 +75,11 @@ class _Push:
 
     def __init__(self, sim: "_Sim"):
         self.sim, self.busy, self.started_at, self.last_s = sim, False, 0.0, math.nan
+        self._then: list = []  # what waits for this push to end (WeightSync.start of the next version)
+
+    def then(self, fn) -> None:
+        """Call fn(t) once the push in flight has ended."""
+        self._then.append(fn)
 
     def start(self, now: float, version: int, on_done) -> None:
         self.busy, self.started_at, self.on_done = True, now, on_done
@@ -102,6 +107,9 @@ class _Push:
         self.busy, self.last_s = False, t - self.started_at
         cb, self.on_done = self.on_done, None
         cb(t)
+        waiting, self._then = self._then, []
+        for fn in waiting:
+            fn(t)
 
 
 class _Sim:
@@ -198,8 +206,7 @@ class _Sim:
         else:
             self._finish_step(v, row)
             if self.push.busy:  # WeightSync.start waits for the push of v-1
-                prev = self.push.on_done
-                self.push.on_done = lambda t2: (prev(t2), self._pack(t2, v, row, after=self._hooks(row)))
+                self.push.then(lambda t2: self._pack(t2, v, row, after=self._hooks(row)))
             else:
                 self._pack(t, v, row, after=self._hooks(row))
 
