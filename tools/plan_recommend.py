@@ -17,7 +17,8 @@ The search, each point a simulated run of --steps steps (pipeline/sim/):
 
  1. generators per trainer rank k = 1..--max-generators and max_staleness η = 0..4, with keep
     updates and Δ = η·B (the most over-commitment the staleness bound lets through): the smallest
-    k, then the smallest η, that meets every target; none does: the point that misses them least
+    k, then the smallest η, that meets every target (with --total-devices, where every split
+    uses the same devices: the fastest split that meets them); none does: the point that misses them least
     (the sum of each miss relative to its bound), naming what it misses.
  2. update mode keep / abort / drain at that (k, η): the fastest that still meets the targets.
  3. Δ: fixed Δ = 0 .. η·B; Δ bounds [0, Δ*] with Δ* the smallest Δ within 3% of the best
@@ -101,10 +102,16 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
             s = grid[k, eta] = run(k, g_on_update="keep",
                                     b_max_staleness=eta, b_overcommit="fixed", b_delta=eta * B)
             print(_line(f"{name(k)} η={eta}", s) + ("   <- meets both" if ok(s) else ""))
-        if any(ok(grid[k, e]) for e in ETAS):
-            break
+        if not total and any(ok(grid[k, e]) for e in ETAS):
+            break  # more generators per rank only cost devices
     meeting = [key for key, s in grid.items() if ok(s)]
-    if meeting:
+    if meeting and total:  # the devices are paid for either way: the fastest split that meets the targets
+        k, eta = max(meeting, key=lambda key: (grid[key]["tokens_per_s"], -key[1]))
+        why = (f"the most trained tokens/s ({grid[k, eta]['tokens_per_s']:.0f}) among the splits of {total} devices "
+               f"meeting every target (trainer idle {grid[k, eta]['trainer_idle_frac']:.2f} < {max_idle}, stale "
+               f"fraction {grid[k, eta]['stale_frac']:.2f} <= {max_stale}, dropped {grid[k, eta]['dropped_frac']:.2f} "
+               f"<= {max_dropped})")
+    elif meeting:  # each generator is one more device: the fewest that bring the trainer's idle under the target
         k, eta = min(meeting)
         why = (f"the fewest generators per rank that bring trainer idle under {max_idle:.0%} "
                f"({grid[k, eta]['trainer_idle_frac']:.2f}), with the smallest max_staleness that does it at "
