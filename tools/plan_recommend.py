@@ -88,7 +88,7 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
 
     def name(i: int) -> str:
         R, n = splits[i]
-        return f"{n / R:g}/rank ({n} gen, {R} rank)"
+        return f"{n / R:.3g}/rank ({n} gen, {R} rank)"
 
     def within(s: dict) -> bool:
         return s["stale_frac"] <= max_stale and s["dropped_frac"] <= max_dropped
