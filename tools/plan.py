@@ -72,9 +72,12 @@ def cmd_simulate(a) -> int:
 
 
 def cmd_calibrate(a) -> int:
-    from tools.plan_calibrate import calibrate
+    from tools.plan_calibrate import calibrate, refit
 
-    calibrate(a.config, a.overrides, Path(a.out), a.reps)
+    if a.refit:
+        refit(Path(a.out))
+    else:
+        calibrate(a.config, a.overrides, Path(a.out), a.reps)
     return 0
 
 
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--config", default="configs/tiny.yaml")
     c.add_argument("--out", default="tools/plan_data/costs_here.json")
     c.add_argument("--reps", type=int, default=3, help="repeats per measured case (medians are fitted)")
+    c.add_argument("--refit", action="store_true", help="fit again from the waves recorded beside --out (light)")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_calibrate)
     v = sub.add_parser("validate", help="simulate each tools/pipeline_bench.py run under RUNS and compare")

@@ -39,10 +39,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from monarch.actor import endpoint
+from monarch.actor import concurrent_endpoint, endpoint
 
 from pipeline.config import Config, load_config
-from pipeline.sim.costs import costs_from_dict
+from pipeline.config import GeneratorConfig
+from pipeline.sim.costs import GeneratorCosts, costs_from_dict
+from pipeline.sim.generator import SimGenerator, SimSample
 from pipeline.types import PromptGroup, PromptItem
 from tools.gen_bench import ListSource
 from tools.pipeline_bench import placement
@@ -61,7 +63,9 @@ def say(msg: str) -> None:
 
 
 class TimedSource(ListSource):
-    """ListSource that also times a wave: from its first admit to its last rollout."""
+    """ListSource that also times a wave: from its first admit to its last rollout. Its admit waits
+    for work the way the replay buffer's does (an event, up to wait_s), so an idle generator does
+    not poll: polling would load the generator's core and slow the very decoding being measured."""
 
     @endpoint
     async def feed(self, items: list[PromptItem]) -> None:
@@ -69,16 +73,26 @@ class TimedSource(ListSource):
         self.count = self.tokens = 0
         self.t_first = self.t_last = None
         self.admits: list[float] = []
+        self._work().set()
 
-    @endpoint
+    def _work(self) -> asyncio.Event:
+        if not hasattr(self, "_has_work"):
+            self._has_work = asyncio.Event()
+        return self._has_work
+
+    @concurrent_endpoint
     async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
-        if self.items:
-            self.admits.append(time.monotonic())
-        if self.items and self.t_first is None:
-            self.t_first = time.monotonic()
         if not self.items:
-            await asyncio.sleep(min(wait_s, 0.005))
+            self._work().clear()
+            try:
+                await asyncio.wait_for(self._work().wait(), wait_s)
+            except asyncio.TimeoutError:
+                return None
+        if not self.items:
             return None
+        self.admits.append(time.monotonic())
+        if self.t_first is None:
+            self.t_first = time.monotonic()
         self.next_id += 1
         return PromptGroup(self.next_id, self.items.popleft(), self.group_size, admitted_version=0)
 
@@ -161,20 +175,44 @@ def _median_per_case(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     return [{**rs[0], "s": statistics.median(r["s"] for r in rs)} for rs in cases.values()]
 
 
-def fit_generator(rows: list[dict]) -> tuple[dict, float]:
+def fit_generator(rows: list[dict], G: int = 4) -> tuple[dict, float]:
+    """Non-negative least squares of the wave times; the admission of a wave's groups one by one
+    (admit_s each, the median gap between consecutive admits) is taken out first, since the
+    simulator adds it itself. The error is the simulator's own: each wave simulated with the fit
+    against its measured time (median relative error)."""
+    gaps = [g for r in rows for g in r["admit_gaps_s"]]
+    admit_s = statistics.median(gaps) if gaps else 0.0
     X, y = [], []
     for r in _median_per_case(rows, ("n", "L", "prompt_tokens")):
         n, L, p = r["n"], r["L"], r["prompt_tokens"]
         X.append([n * p, L, L * n, L * n * (p + L / 2), n])
-        y.append(r["s"])
+        y.append(max(r["s"] - (n // G) * admit_s, 1e-4))
     coef = nnls(np.array(X, dtype=float), np.array(y))
-    pred = np.array(X) @ coef
-    err = float(np.median(np.abs(pred - np.array(y)) / np.array(y)))
     keys = ["prefill_per_token_s", "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "request_overhead_s"]
-    # one admit call's round trip: consecutive admits of a wave, as the admission loop fetches groups one by one
-    gaps = [g for r in rows for g in r["admit_gaps_s"]]
-    admit_s = statistics.median(gaps) if gaps else 0.0
-    return dict(zip(keys, map(float, coef))) | {"admit_s": float(admit_s)}, err
+    fit = dict(zip(keys, map(float, coef))) | {"admit_s": float(admit_s)}
+    costs = GeneratorCosts(**fit)
+    errs = [abs(simulate_wave(costs, r["n"], r["L"], r["prompt_tokens"], G) / r["s"] - 1)
+            for r in _median_per_case(rows, ("n", "L", "prompt_tokens"))]
+    return fit, float(statistics.median(errs))
+
+
+def simulate_wave(costs: GeneratorCosts, n: int, L: int, prompt_tokens: int, G: int = 4) -> float:
+    """A calibration wave on SimGenerator: n/G groups of G samples of L tokens, arriving one admit
+    round trip apart; seconds until the last finishes (and its request overhead is paid)."""
+    gen = SimGenerator(0, GeneratorConfig(concurrency=32, max_new_tokens=max(L, 1)), costs)
+    arrivals = [(k + 1) * costs.admit_s for k in range(n // G)]
+    now, left = 0.0, n
+    while left:
+        while arrivals and arrivals[0] <= now + 1e-12:
+            arrivals.pop(0)
+            gen.enqueue([SimSample(0, i, prompt_tokens, L, 0.0, (0, 0)) for i in range(G)])
+            gen.refill(now)
+        cands = [x for x in (gen.next_event(now), arrivals[0] if arrivals else None) if x is not None]
+        t = min(cands)
+        left -= len(gen.advance(now, t))
+        now = t
+        gen.refill(now)
+    return now + gen.debt  # the last requests' overhead
 
 
 async def measure_trainer(cfg: Config, reps: int) -> list[dict]:
@@ -250,6 +288,23 @@ def measure_controller(config: str, overrides: list[str], out: Path) -> tuple[di
     return {"step_overhead_s": max(0.0, statistics.median(other))}, other
 
 
+def refit(out_file: Path) -> dict:
+    """Fit the generator again from the waves recorded beside `out_file` (no measurement: the fit
+    changed); the other components are kept. Rewrites the cost file and its record."""
+    record = out_file.with_name(out_file.stem + "_calibration.json")
+    rec = json.loads(record.read_text())
+    gen, err = fit_generator(rec["generator"]["rows"])
+    costs = json.loads(out_file.read_text())
+    costs["generator"] = gen
+    costs["source"] += "; generator refitted from the recorded waves"
+    costs_from_dict(costs, str(out_file))
+    rec["generator"].update(fit=gen, median_rel_error=err)
+    out_file.write_text(json.dumps(costs, indent=1))
+    record.write_text(json.dumps(rec, indent=1, default=str))
+    say(f"generator refit {gen} (waves simulated with it: median error {err:.1%}); wrote {out_file}")
+    return costs
+
+
 def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) -> dict:
     """Measure every component (module docstring); write the cost file and calibration.json beside it."""
     overrides = [*placement("disjoint"), *overrides]
@@ -259,7 +314,7 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     t0 = time.monotonic()
     gen_rows = asyncio.run(measure_generator(cfg, reps))
     gen, gen_err = fit_generator(gen_rows)
-    say(f"generator fit {gen} (median error {gen_err:.1%})")
+    say(f"generator fit {gen} (waves simulated with it: median error {gen_err:.1%})")
     tr_rows, push_call_s = asyncio.run(measure_trainer(cfg, reps))
     tr, tr_err = fit_trainer(tr_rows)
     say(f"trainer fit {tr} (median error {tr_err:.1%})")
