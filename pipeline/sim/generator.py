@@ -52,10 +52,6 @@ class SimSample:
     v_first: int | None = None
     reprefill: int = 0
 
-    @property
-    def remaining(self) -> float:
-        return self.length - self.done
-
 
 class _Running:
     """The requests in the engine. Every running request gains the same tokens per iteration, so
@@ -139,7 +135,6 @@ class SimGenerator:
         self.gate_open = True  # abort / drain close it during an update
         self.parked = False  # carry_over=save: stage ended, waiting for the next update
         self.draining_to: int | None = None  # drain: the version to load once nothing runs
-        self.update_done_at: float | None = None  # when the update in progress completes
         self._on_update_done = None
         self.admitting = False  # one admit call in flight at a time (the admission loop awaits each)
         self.busy_s = 0.0

@@ -113,6 +113,11 @@ class _Push:
 
 
 class _Sim:
+    """One simulated run: the clock (an event heap plus each generator's next change), the trainer's
+    state machine and the hand-off between generators and the buffer. Token counts are real;
+    rollouts given to the buffer carry at most ~256 tokens each (`scale` real tokens per token), so
+    the buffer's wasted_tokens is reported times `scale` (exact when max_new_tokens <= 256)."""
+
     def __init__(self, cfg: Config, costs: Costs, workload: Workload, reward: RewardCurve, seed: int):
         self.cfg, self.costs, self.workload, self.reward = cfg, costs, workload, reward
         self.rng = random.Random(seed)
