@@ -20,7 +20,9 @@ Each component with the project's real pieces, placed as tools/pipeline_bench.py
               of the tiny model; its per-byte term is taken as the transfer's (a 100M load into vLLM
               does not fit beside the benchmark here: docs/benchmarks.md)
   controller  a short real run of the CLI (run.mode=sync, fixed 4-token responses, 6 steps): per
-              step, the time that is neither the batch wait, the train call nor the push
+              step, the time that is neither the batch wait, the train call nor the push; and the
+              whole push as the run saw it (sync/latency_s), whose excess over the pieces above
+              (round trips; generation goes on) joins the transfer (transfer_base_s)
 
 Writes the cost file (JSON) and <name>_calibration.json beside it (every raw measurement, the fits,
 their residuals); the runs' own outputs go to bench_out/plan_calibration/.
@@ -285,18 +287,32 @@ def measure_controller(config: str, overrides: list[str], out: Path) -> tuple[di
     rows = [r for r in rows if "version/trainer" in r]
     other = [b["time_s"] - a["time_s"] - b["time/batch_wait_s"] - b["time/train_s"] - b["sync/latency_s"]
              for a, b in zip(rows[1:], rows[2:])]
-    return {"step_overhead_s": max(0.0, statistics.median(other))}, other
+    push_e2e = statistics.median(r["sync/latency_s"] for r in rows[1:])
+    return {"step_overhead_s": max(0.0, statistics.median(other))}, other, push_e2e
+
+
+def whole_push(push: dict, push_e2e_s: float) -> dict:
+    """The push as a run sees it (sync/latency_s: the trainer's call, staging, the generator's apply
+    with its version check, the actor round trips between them) is longer than sync_bench's pack,
+    transfer and load. The rest is round trips while generation goes on, so it joins the transfer
+    (transfer_base_s), not the load, during which a keep update stalls generation."""
+    parts = (push["pack_base_s"] + push["transfer_base_s"] + push["load_base_s"]
+             + (push["pack_per_byte_s"] + push["transfer_per_byte_s"] + push["load_per_byte_s"]) * push["bytes"])
+    return push | {"transfer_base_s": push["transfer_base_s"] + max(0.0, push_e2e_s - parts)}
 
 
 def refit(out_file: Path) -> dict:
-    """Fit the generator again from the waves recorded beside `out_file` (no measurement: the fit
-    changed); the other components are kept. Rewrites the cost file and its record."""
+    """Fit again from the measurements recorded beside `out_file` (no measurement: the fit changed):
+    the generator's waves and, when recorded, the push as a run saw it. Rewrites both files."""
     record = out_file.with_name(out_file.stem + "_calibration.json")
     rec = json.loads(record.read_text())
     gen, err = fit_generator(rec["generator"]["rows"])
     costs = json.loads(out_file.read_text())
     costs["generator"] = gen
-    costs["source"] += "; generator refitted from the recorded waves"
+    if "push_in_run_s" in rec["push"]:
+        costs["push"] = whole_push(rec["push"]["fit"], rec["push"]["push_in_run_s"])
+        rec["push"]["fit"] = costs["push"]
+    costs["source"] += "; refitted from the recorded measurements"
     costs_from_dict(costs, str(out_file))
     rec["generator"].update(fit=gen, median_rel_error=err)
     out_file.write_text(json.dumps(costs, indent=1))
@@ -322,8 +338,9 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     raw_push = push.pop("_raw")
     # the trainer waits for its whole push call, not only the pack sync_bench times
     push["pack_base_s"] = max(push["pack_base_s"], push_call_s - push["pack_per_byte_s"] * push["bytes"])
-    ctl, other = measure_controller(config, overrides, out)
-    say(f"push {push}; controller {ctl}")
+    ctl, other, push_e2e = measure_controller(config, overrides, out)
+    push = whole_push(push, push_e2e)
+    say(f"push {push} (a whole push in the run: {push_e2e * 1e3:.1f} ms); controller {ctl}")
     costs = {"generator": gen, "trainer": tr, "push": push, "controller": ctl,
              "source": f"tools/plan.py calibrate --config {config} {' '.join(overrides)} on {time.strftime('%Y-%m-%d')}"}
     costs_from_dict(costs, str(out_file))  # checked before it is written
@@ -332,7 +349,8 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     record.write_text(json.dumps(
         {"generator": {"rows": gen_rows, "fit": gen, "median_rel_error": gen_err},
          "trainer": {"rows": tr_rows, "fit": tr, "median_rel_error": tr_err, "push_call_s": push_call_s},
-         "push": {"fit": push, "sync_bench": raw_push}, "controller": {"per_step_other_s": other, "fit": ctl},
+         "push": {"fit": push, "sync_bench": raw_push, "push_in_run_s": push_e2e},
+         "controller": {"per_step_other_s": other, "fit": ctl},
          "seconds": time.monotonic() - t0}, indent=1, default=str))
     say(f"wrote {out_file} and {record} in {time.monotonic() - t0:.0f} s")
     return costs
