@@ -1,0 +1,356 @@
+"""`tools/plan.py calibrate`: measure the simulator's component costs on this machine, write a cost file.
+
+    flock /tmp/rl-heavy.lock env PYTHONPATH=$PWD .venv/bin/python tools/plan.py calibrate \
+        --out tools/plan_data/costs_here.json            # ~4 min on 2 cores; heavy: hold the lock
+
+Each component with the project's real pieces, placed as tools/pipeline_bench.py places them
+(`--placement disjoint`: trainer on the first core, generator on the others):
+
+  generator   the GeneratorActor (vLLM engine, scheduler, rewards, Monarch) fed by a timing source
+              actor (tools/gen_bench.ListSource with timestamps): waves of n equal-length samples
+              (n = 4..32 concurrent, 4..96 tokens, short and long prompts), each timed from the first
+              admit to the last rollout received. Fitted, non-negative least squares, per wave:
+                  T = n·p·prefill + L·(base + n·per_seq + n·(p + L/2)·per_ctx) + n·overhead
+              and admit_s, the median gap between a wave's consecutive admit calls
+  trainer     the Trainer actor (actors/trainer.py) on synthetic batches (tools/trainer_bench.py's),
+              N=32 samples of T=16..112 tokens, trainer.epochs 1 and 3: step = base + epochs·(epoch
+              + per_token·N·T); and its push call (trainer_bench's push_overlap), the push's pack_base_s
+  push        tools/sync_bench.py (shm or the configured transport) on the tiny model (loaded into
+              vLLM) and a ~100M dict (200 MB, no vLLM): pack and transfer against bytes; the vLLM load
+              of the tiny model; its per-byte term is taken as the transfer's (a 100M load into vLLM
+              does not fit beside the benchmark here: docs/benchmarks.md)
+  controller  a short real run of the CLI (run.mode=sync, fixed 4-token responses, 6 steps): per
+              step, the time that is neither the batch wait, the train call nor the push; and the
+              whole push as the run saw it (sync/latency_s), whose excess over the pieces above
+              (round trips; generation goes on) joins the transfer (transfer_base_s)
+
+Writes the cost file (JSON) and <name>_calibration.json beside it (every raw measurement, the fits,
+their residuals); the runs' own outputs go to bench_out/plan_calibration/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from monarch.actor import concurrent_endpoint, endpoint
+
+from pipeline.config import Config, load_config
+from pipeline.config import GeneratorConfig
+from pipeline.sim.costs import GeneratorCosts, costs_from_dict
+from pipeline.sim.generator import SimGenerator, SimSample
+from pipeline.types import PromptGroup, PromptItem
+from tools.gen_bench import ListSource
+from tools.pipeline_bench import placement
+from tools.trainer_bench import push_overlap, synthetic_batch
+
+REPO = Path(__file__).resolve().parents[1]
+
+GEN_CASES = [(n, L, long) for n in (4, 8, 16, 32) for L in (4, 32, 96) for long in (False,)] + \
+            [(32, 4, True), (16, 32, True)]
+"""(concurrent samples, tokens each, long prompts) per measured wave."""
+TRAIN_SHAPES = [(32, 16), (32, 48), (32, 112), (8, 112)]
+
+
+def say(msg: str) -> None:
+    print(f"[calibrate {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+class TimedSource(ListSource):
+    """ListSource that also times a wave: from its first admit to its last rollout. Its admit waits
+    for work the way the replay buffer's does (an event, up to wait_s), so an idle generator does
+    not poll: polling would load the generator's core and slow the very decoding being measured."""
+
+    @endpoint
+    async def feed(self, items: list[PromptItem]) -> None:
+        self.items.extend(items)
+        self.count = self.tokens = 0
+        self.t_first = self.t_last = None
+        self.admits: list[float] = []
+        self._work().set()
+
+    def _work(self) -> asyncio.Event:
+        if not hasattr(self, "_has_work"):
+            self._has_work = asyncio.Event()
+        return self._has_work
+
+    @concurrent_endpoint
+    async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
+        if not self.items:
+            self._work().clear()
+            try:
+                await asyncio.wait_for(self._work().wait(), wait_s)
+            except asyncio.TimeoutError:
+                return None
+        if not self.items:
+            return None
+        self.admits.append(time.monotonic())
+        if self.t_first is None:
+            self.t_first = time.monotonic()
+        self.next_id += 1
+        return PromptGroup(self.next_id, self.items.popleft(), self.group_size, admitted_version=0)
+
+    @endpoint
+    async def add(self, rollout, lessee=None) -> None:
+        self.count += 1
+        self.tokens += len(rollout.completion_tokens)
+        self.t_last = time.monotonic()
+
+    @endpoint
+    async def wave(self) -> tuple[int, float, list[float]]:
+        """(rollouts received, first admit to last rollout, gaps between consecutive admits)."""
+        gaps = [b - a for a, b in zip(self.admits, self.admits[1:])]
+        return self.count, (self.t_last - self.t_first) if self.t_last and self.t_first else float("nan"), gaps
+
+
+def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (active set: drop the negative ones, refit)."""
+    free = list(range(X.shape[1]))
+    while True:
+        coef = np.zeros(X.shape[1])
+        coef[free] = np.linalg.lstsq(X[:, free], y, rcond=None)[0]
+        neg = [i for i in free if coef[i] < 0]
+        if not neg:
+            return coef
+        free.remove(min(neg, key=lambda i: coef[i]))
+
+
+async def measure_generator(cfg: Config, reps: int) -> list[dict]:
+    from monarch.actor import this_host
+
+    from actors.generator import GeneratorActor
+    from pipeline.model import model_dir
+    from pipeline.tokens import encode_prompt, load_tokenizer
+
+    G = 4
+    g = dataclasses.replace(cfg.generator, concurrency=32, max_new_tokens=96, ignore_eos=True)
+    cfg = dataclasses.replace(cfg, generator=g)
+    tok = load_tokenizer(model_dir(cfg.model))
+    src_cls = importlib.import_module("tools.plan_calibrate").TimedSource
+    gprocs = this_host().spawn_procs(per_host={"procs": 1})
+    sprocs = this_host().spawn_procs(per_host={"procs": 1})
+    gen = gprocs.spawn("gen", GeneratorActor, cfg, 0)
+    src = sprocs.spawn("src", src_cls, G)
+    rows = []
+    try:
+        say(f"generator: starting the engine (generator.cpus={cfg.generator.cpus or 'unpinned'})")
+        await asyncio.wait_for(gen.setup.call_one(), cfg.generator.start_timeout_s)
+        await gen.start_generation.call_one(src)
+        uid = 0
+        for rep in range(reps + 1):  # the first pass warms up
+            for n, L, long in GEN_CASES:
+                prompt = "rev " + ("abcdefgh" * 14 if long else "abcdef") + "="
+                items = [PromptItem(uid=(uid := uid + 1), prompt=prompt, answer="x", max_new_tokens=L)
+                         for _ in range(n // G)]
+                await src.feed.call_one(items)
+                deadline = time.monotonic() + 120
+                while (c := await src.wave.call_one())[0] < n:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"generator wave n={n} L={L}: {c[0]} of {n} rollouts after 120 s")
+                    await asyncio.sleep(0.01)
+                if rep:
+                    rows.append({"n": n, "L": L, "prompt_tokens": len(encode_prompt(tok, prompt, None)), "s": c[1],
+                                 "admit_gaps_s": c[2]})
+            say(f"generator: pass {rep}/{reps} done")
+        await gen.end_stage.call_one("keep")
+        await gen.shutdown.call_one()
+    finally:
+        await gprocs.stop()
+        await sprocs.stop()
+    return rows
+
+
+def _median_per_case(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """One row per case with the median time over its repeats: a burst of other work on the shared
+    cores slows one repeat, not all."""
+    cases: dict[tuple, list[dict]] = {}
+    for r in rows:
+        cases.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return [{**rs[0], "s": statistics.median(r["s"] for r in rs)} for rs in cases.values()]
+
+
+def fit_generator(rows: list[dict], G: int = 4) -> tuple[dict, float]:
+    """Non-negative least squares of the wave times; the admission of a wave's groups one by one
+    (admit_s each, the median gap between consecutive admits) is taken out first, since the
+    simulator adds it itself. The error is the simulator's own: each wave simulated with the fit
+    against its measured time (median relative error)."""
+    gaps = [g for r in rows for g in r["admit_gaps_s"]]
+    admit_s = statistics.median(gaps) if gaps else 0.0
+    X, y = [], []
+    for r in _median_per_case(rows, ("n", "L", "prompt_tokens")):
+        n, L, p = r["n"], r["L"], r["prompt_tokens"]
+        X.append([n * p, L, L * n, L * n * (p + L / 2), n])
+        y.append(max(r["s"] - (n // G) * admit_s, 1e-4))
+    coef = nnls(np.array(X, dtype=float), np.array(y))
+    keys = ["prefill_per_token_s", "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "request_overhead_s"]
+    fit = dict(zip(keys, map(float, coef))) | {"admit_s": float(admit_s)}
+    costs = GeneratorCosts(**fit)
+    errs = [abs(simulate_wave(costs, r["n"], r["L"], r["prompt_tokens"], G) / r["s"] - 1)
+            for r in _median_per_case(rows, ("n", "L", "prompt_tokens"))]
+    return fit, float(statistics.median(errs))
+
+
+def simulate_wave(costs: GeneratorCosts, n: int, L: int, prompt_tokens: int, G: int = 4) -> float:
+    """A calibration wave on SimGenerator: n/G groups of G samples of L tokens, arriving one admit
+    round trip apart; seconds until the last finishes (and its request overhead is paid)."""
+    gen = SimGenerator(0, GeneratorConfig(concurrency=32, max_new_tokens=max(L, 1)), costs)
+    arrivals = [(k + 1) * costs.admit_s for k in range(n // G)]
+    now, left = 0.0, n
+    while left:
+        while arrivals and arrivals[0] <= now + 1e-12:
+            arrivals.pop(0)
+            gen.enqueue([SimSample(0, i, prompt_tokens, L, 0.0, (0, 0)) for i in range(G)])
+            gen.refill(now)
+        cands = [x for x in (gen.next_event(now), arrivals[0] if arrivals else None) if x is not None]
+        t = min(cands)
+        left -= len(gen.advance(now, t))
+        now = t
+        gen.refill(now)
+    return now + gen.debt  # the last requests' overhead
+
+
+async def measure_trainer(cfg: Config, reps: int) -> list[dict]:
+    from actors.trainer import Trainer
+    from pipeline.model import model_dir, read_hf_config
+
+    vocab = read_hf_config(model_dir(cfg.model))["vocab_size"]
+    rows = []
+    for epochs in (1, 3):
+        c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, epochs=epochs))
+        say(f"trainer: starting (trainer.cpus={c.trainer.cpus or 'unpinned'}), epochs={epochs}")
+        trainer = await Trainer.start(c, name=f"cal{epochs}")
+        try:
+            await trainer.train_step(synthetic_batch(32, 48, 8, vocab, 0))  # warm-up
+            for rep in range(reps):
+                for n, T in TRAIN_SHAPES:
+                    t0 = time.perf_counter()
+                    await trainer.train_step(synthetic_batch(n, T, 8, vocab, rep + 1))
+                    rows.append({"epochs": epochs, "n": n, "T": T, "s": time.perf_counter() - t0})
+            if epochs == 1:  # the trainer's push call (snapshot, pack, actor round trip), as WeightSync.start awaits it
+                pushes = await push_overlap(trainer, [synthetic_batch(32, 48, 8, vocab, 9)] * 4, lambda msg: None)
+        finally:
+            await trainer.close()
+    return rows, pushes["push_s_median"]
+
+
+def fit_trainer(rows: list[dict]) -> tuple[dict, float]:
+    rows = _median_per_case(rows, ("epochs", "n", "T"))
+    X = np.array([[1.0, r["epochs"], r["epochs"] * r["n"] * r["T"]] for r in rows])
+    y = np.array([r["s"] for r in rows])
+    coef = nnls(X, y)
+    err = float(np.median(np.abs(X @ coef - y) / y))
+    return {"step_base_s": float(coef[0]), "epoch_base_s": float(coef[1]), "per_token_s": float(coef[2]),
+            "padding": "max"}, err
+
+
+def measure_push(cfg: Config, out: Path) -> dict:
+    ws = cfg.weight_sync
+    cmd = [sys.executable, "tools/sync_bench.py", "--sizes", "tiny,100m", "--transports", ws.transport,
+           "--buckets", str(ws.bucket_mb), "--reps", "3", "--out", str(out / "sync_bench")]
+    say("push: " + " ".join(cmd[1:]))
+    with open(out / "sync_bench.log", "w") as f:
+        code = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise RuntimeError(f"sync_bench exited with {code}; see {out / 'sync_bench.log'}")
+    res = {r["model"]: r for r in json.loads((out / "sync_bench" / "results.json").read_text())["results"]}
+    tiny, big = res["tiny"], res["100m"]
+    dbytes = big["bytes"] - tiny["bytes"]
+    per = {k: max(0.0, (big[f"{k}_s"] - tiny[f"{k}_s"]) / dbytes) for k in ("pack", "transfer")}
+    return {"bytes": float(tiny["bytes"]),
+            "pack_base_s": max(0.0, tiny["pack_s"] - per["pack"] * tiny["bytes"]), "pack_per_byte_s": per["pack"],
+            "transfer_base_s": max(0.0, tiny["transfer_s"] - per["transfer"] * tiny["bytes"]),
+            "transfer_per_byte_s": per["transfer"],
+            "load_base_s": max(0.0, tiny["load_s"] - per["transfer"] * tiny["bytes"]),
+            "load_per_byte_s": per["transfer"], "_raw": res}
+
+
+def measure_controller(config: str, overrides: list[str], out: Path) -> tuple[dict, list[float]]:
+    run_dir = out / "controller_run"
+    ov = [*overrides, "task.name=pipeline.tasks.reverse", "generator.ignore_eos=true", "generator.max_new_tokens=4",
+          "run.mode=sync", "run.steps=6", "run.eval_every=0", "run.warm_start_steps=0", "run.checkpoint_every=0",
+          "run.progress=false", f"run.out_dir={run_dir}"]
+    say("controller: a 6-step sync run of the CLI")
+    with open(out / "controller_run.log", "w") as f:
+        code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", config, *ov], cwd=REPO,
+                              stdout=f, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise RuntimeError(f"the controller run exited with {code}; see {out / 'controller_run.log'}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "version/trainer" in r]
+    other = [b["time_s"] - a["time_s"] - b["time/batch_wait_s"] - b["time/train_s"] - b["sync/latency_s"]
+             for a, b in zip(rows[1:], rows[2:])]
+    push_e2e = statistics.median(r["sync/latency_s"] for r in rows[1:])
+    return {"step_overhead_s": max(0.0, statistics.median(other))}, other, push_e2e
+
+
+def whole_push(push: dict, push_e2e_s: float) -> dict:
+    """The push as a run sees it (sync/latency_s: the trainer's call, staging, the generator's apply
+    with its version check, the actor round trips between them) is longer than sync_bench's pack,
+    transfer and load. The rest is round trips while generation goes on, so it joins the transfer
+    (transfer_base_s), not the load, during which a keep update stalls generation."""
+    parts = (push["pack_base_s"] + push["transfer_base_s"] + push["load_base_s"]
+             + (push["pack_per_byte_s"] + push["transfer_per_byte_s"] + push["load_per_byte_s"]) * push["bytes"])
+    return push | {"transfer_base_s": push["transfer_base_s"] + max(0.0, push_e2e_s - parts)}
+
+
+def refit(out_file: Path) -> dict:
+    """Fit again from the measurements recorded beside `out_file` (no measurement: the fit changed):
+    the generator's waves and, when recorded, the push as a run saw it. Rewrites both files."""
+    record = out_file.with_name(out_file.stem + "_calibration.json")
+    rec = json.loads(record.read_text())
+    gen, err = fit_generator(rec["generator"]["rows"])
+    costs = json.loads(out_file.read_text())
+    costs["generator"] = gen
+    if "push_in_run_s" in rec["push"]:
+        costs["push"] = whole_push(rec["push"]["fit"], rec["push"]["push_in_run_s"])
+        rec["push"]["fit"] = costs["push"]
+    costs["source"] += "; refitted from the recorded measurements"
+    costs_from_dict(costs, str(out_file))
+    rec["generator"].update(fit=gen, median_rel_error=err)
+    out_file.write_text(json.dumps(costs, indent=1))
+    record.write_text(json.dumps(rec, indent=1, default=str))
+    say(f"generator refit {gen} (waves simulated with it: median error {err:.1%}); wrote {out_file}")
+    return costs
+
+
+def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) -> dict:
+    """Measure every component (module docstring); write the cost file and calibration.json beside it."""
+    overrides = [*placement("disjoint"), *overrides]
+    cfg = load_config(config, overrides)
+    out = REPO / "bench_out" / "plan_calibration" / out_file.stem  # raw runs (checkpoints, logs): not committed
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    gen_rows = asyncio.run(measure_generator(cfg, reps))
+    gen, gen_err = fit_generator(gen_rows)
+    say(f"generator fit {gen} (waves simulated with it: median error {gen_err:.1%})")
+    tr_rows, push_call_s = asyncio.run(measure_trainer(cfg, reps))
+    tr, tr_err = fit_trainer(tr_rows)
+    say(f"trainer fit {tr} (median error {tr_err:.1%})")
+    push = measure_push(cfg, out)
+    raw_push = push.pop("_raw")
+    # the trainer waits for its whole push call, not only the pack sync_bench times
+    push["pack_base_s"] = max(push["pack_base_s"], push_call_s - push["pack_per_byte_s"] * push["bytes"])
+    ctl, other, push_e2e = measure_controller(config, overrides, out)
+    push = whole_push(push, push_e2e)
+    say(f"push {push} (a whole push in the run: {push_e2e * 1e3:.1f} ms); controller {ctl}")
+    costs = {"generator": gen, "trainer": tr, "push": push, "controller": ctl,
+             "source": f"tools/plan.py calibrate --config {config} {' '.join(overrides)} on {time.strftime('%Y-%m-%d')}"}
+    costs_from_dict(costs, str(out_file))  # checked before it is written
+    out_file.write_text(json.dumps(costs, indent=1))
+    record = out_file.with_name(out_file.stem + "_calibration.json")
+    record.write_text(json.dumps(
+        {"generator": {"rows": gen_rows, "fit": gen, "median_rel_error": gen_err},
+         "trainer": {"rows": tr_rows, "fit": tr, "median_rel_error": tr_err, "push_call_s": push_call_s},
+         "push": {"fit": push, "sync_bench": raw_push, "push_in_run_s": push_e2e},
+         "controller": {"per_step_other_s": other, "fit": ctl},
+         "seconds": time.monotonic() - t0}, indent=1, default=str))
+    say(f"wrote {out_file} and {record} in {time.monotonic() - t0:.0f} s")
+    return costs
