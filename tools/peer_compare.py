@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.tasks import load_task  # noqa: E402
 
-SIDES = ("project", "trl")
+SIDES = ("project", "trl", "project_fresh")
 KEEP = ("eval/reward", "eval/reward_greedy", "reward/mean", "reward", "kl_ref", "kl", "entropy",
         "response/length_mean", "completions/mean_length")
 
@@ -77,10 +77,26 @@ def side_overrides(args, task: str, seed: int) -> list[str]:
             f"run.eval_every={args.eval_every}", f"task.eval_samples={args.eval_samples}", *args.overrides]
 
 
+def warm_export(run_dir: Path, task: str, seed: int) -> Path:
+    """The project run's warm-start export, which the other sides of this task and seed start from."""
+    warm = run_dir.parent / "project" / "warm_start"
+    if not (warm / "config.json").exists():
+        raise SystemExit(f"peer_compare: no warm start at {warm}; run the project side of {task} seed {seed} first "
+                         "(--sides project): the other sides start from its export")
+    return warm
+
+
 def project_side(args, task: str, seed: int, run_dir: Path) -> dict:
+    """The project's CLI run in sync mode. As side `project`, with its own warm start (the AdamW moments
+    of the supervised steps carry into RL); as `project_fresh`, from the `project` run's warm-start
+    export with no warm start (model.hf_dir: fresh AdamW moments and that export as the KL reference,
+    exactly TRL's start)."""
+    fresh = run_dir.name == "project_fresh"
+    start = warm_export(run_dir, task, seed) if fresh else run_dir / "warm_start"
     overrides = [*side_overrides(args, task, seed), f"run.out_dir={run_dir}", "run.progress=false",
-                 "run.checkpoint_every=0"]
-    run = run_cli(run_dir, overrides, args.config, args.timeout, args.reuse, f"peer_compare {task} s{seed} project")
+                 "run.checkpoint_every=0", *([f"model.hf_dir={start}", "run.warm_start_steps=0"] if fresh else [])]
+    run = run_cli(run_dir, overrides, args.config, args.timeout, args.reuse,
+                  f"peer_compare {task} s{seed} {run_dir.name}")
     if run["exit_code"] != 0:
         raise SystemExit(f"peer_compare: the project run failed (exit {run['exit_code']}); see {run_dir / 'run.log'}")
     cfg = load_config(args.config, overrides)
@@ -88,20 +104,22 @@ def project_side(args, task: str, seed: int, run_dir: Path) -> dict:
     rows = [{"step": r["step"], **{k: r[k] for k in KEEP if k in r}} for r in run["rows"]]
     return {"rows": rows, "wall_s": run["wall_s"], "overrides": overrides,
             "trained_samples": int(sum(r.get("samples", 0) for r in run["rows"])),
-            "hf_start": hf_score(cfg, t, run_dir / "warm_start", seed),
-            "hf_final": hf_score(cfg, t, run_dir / "hf_checkpoint", seed)}
+            "hf_start": hf_score(cfg, t, start, seed), "hf_final": hf_score(cfg, t, run_dir / "hf_checkpoint", seed)}
 
 
 def trl_side(args, task: str, seed: int, run_dir: Path) -> dict:
+    """TRL's GRPOTrainer from the `project` run's warm-start export (tools/peer_trl.py)."""
     cfg = load_config(args.config, side_overrides(args, task, seed))
-    warm = run_dir.parent / "project" / "warm_start"
-    if not (warm / "config.json").exists():
-        raise SystemExit(f"peer_compare: no warm start at {warm}; run the project side of {task} seed {seed} first "
-                         "(--sides project), the TRL side starts from its export")
-    res = run_trl(cfg, load_task(task, cfg.task), warm, seed, args.steps, args.eval_every, run_dir)
+    res = run_trl(cfg, load_task(task, cfg.task), warm_export(run_dir, task, seed), seed, args.steps,
+                  args.eval_every, run_dir)
     rows = [{"step": r["step"], **{k: r[k] for k in KEEP if k in r}} for r in res["rows"]]
     return {"rows": rows, "wall_s": res["wall_s"], "trained_samples": res["trained_samples"],
             "trl_version": res["trl_version"]}
+
+
+RUNNERS = {"project": project_side, "trl": trl_side, "project_fresh": project_side}
+LABELS = {"project": "this project (sync)", "project_fresh": "this project (sync), fresh AdamW",
+          "trl": "TRL GRPOTrainer"}
 
 
 def evals(entry: dict, key: str) -> list[float]:
@@ -113,47 +131,53 @@ def spread(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else float("nan")
 
 
+def side_stats(entries: list[dict], metric: str) -> dict:
+    """One side's final held-out `metric` over its seeds: n, mean, sample std, range; its start (step 0)."""
+    xs = [evals(e, metric)[-1] for e in entries]
+    mean, std = spread(xs)
+    return {"n": len(xs), "mean": mean, "std": std, "min": min(xs), "max": max(xs),
+            "start": statistics.mean(evals(e, metric)[0] for e in entries),
+            "samples": statistics.mean(e["trained_samples"] for e in entries),
+            "wall_s": statistics.mean(e["wall_s"] for e in entries),
+            "hf": [statistics.mean(e[k][metric] for e in entries) for k in ("hf_start", "hf_final")]
+            if all("hf_final" in e for e in entries) else None}
+
+
 def summary(res: dict) -> list[dict]:
-    """Per task and metric: each side's seeds, mean, std, range; the difference and its check."""
+    """Per task, metric and project side run beside TRL: both sides' stats, the difference of the
+    means, its standard error and whether |difference| <= 2 SE (None with a single seed)."""
     out = []
-    tasks = sorted({k.split("/")[0] for k in res["runs"]})
-    for task in tasks:
+    for task in sorted({k.split("/")[0] for k in res["runs"]}):
         by = {s: [e for k, e in sorted(res["runs"].items()) if k.split("/")[0] == task and k.split("/")[2] == s]
               for s in SIDES}
-        if not all(by.values()):
-            continue
-        for metric in ("eval/reward", "eval/reward_greedy"):
-            row = {"task": task, "metric": metric}
-            for s in SIDES:
-                xs = [evals(e, metric)[-1] for e in by[s]]
-                row[s] = {"n": len(xs), "mean": spread(xs)[0], "std": spread(xs)[1], "min": min(xs), "max": max(xs),
-                          "start": statistics.mean(evals(e, metric)[0] for e in by[s]),
-                          "samples": statistics.mean(e["trained_samples"] for e in by[s]),
-                          "wall_s": statistics.mean(e["wall_s"] for e in by[s])}
-            p, t = row["project"], row["trl"]
-            se = math.sqrt(p["std"] ** 2 / p["n"] + t["std"] ** 2 / t["n"]) if p["n"] > 1 and t["n"] > 1 else float("nan")
-            row.update(diff=p["mean"] - t["mean"], se=se,
-                       agree=None if math.isnan(se) else abs(p["mean"] - t["mean"]) <= 2 * se)
-            hf = [(e["hf_start"][metric], e["hf_final"][metric]) for e in by["project"] if "hf_final" in e]
-            row["project_hf"] = [statistics.mean(x) for x in zip(*hf)] if hf else None
-            out.append(row)
+        for side in ("project", "project_fresh"):
+            if not (by[side] and by["trl"]):
+                continue
+            for metric in ("eval/reward", "eval/reward_greedy"):
+                p, t = side_stats(by[side], metric), side_stats(by["trl"], metric)
+                se = math.sqrt(p["std"] ** 2 / p["n"] + t["std"] ** 2 / t["n"]) if min(p["n"], t["n"]) > 1 \
+                    else float("nan")
+                out.append({"task": task, "metric": metric, "side": side, "project": p, "trl": t,
+                            "diff": p["mean"] - t["mean"], "se": se,
+                            "agree": None if math.isnan(se) else abs(p["mean"] - t["mean"]) <= 2 * se})
     return out
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| task | held-out reward | seeds | project (sync): start → final, mean ± std (min..max) | "
+    lines = ["| task | held-out reward | this project | seeds | project: start → final, mean ± std (min..max) | "
              "TRL GRPOTrainer: start → final | project − TRL (2·SE) | agree | project by the HF evaluator: start → final |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, t = r["project"], r["trl"]
         cell = lambda s: f"{s['start']:.3f} → **{s['mean']:.3f}** ± {s['std']:.3f} ({s['min']:.3f}..{s['max']:.3f})"  # noqa: E731
-        hf = f"{r['project_hf'][0]:.3f} → {r['project_hf'][1]:.3f}" if r["project_hf"] else ""
-        lines.append(f"| {r['task'].rsplit('.', 1)[-1]} | {r['metric'].removeprefix('eval/reward').strip('_') or 'sampled'} "
-                     f"| {p['n']} / {t['n']} | {cell(p)} | {cell(t)} | {r['diff']:+.3f} ({2 * r['se']:.3f}) | "
-                     f"{ {True: 'yes', False: 'no', None: 'n/a (one seed)'}[r['agree']]} | {hf} |")
+        hf = f"{p['hf'][0]:.3f} → {p['hf'][1]:.3f}" if p["hf"] else ""
+        lines.append(f"| {r['task'].rsplit('.', 1)[-1]} | {'greedy' if r['metric'].endswith('greedy') else 'sampled'} "
+                     f"| {LABELS[r['side']].removeprefix('this project ')} | {p['n']} / {t['n']} | {cell(p)} | {cell(t)} "
+                     f"| {r['diff']:+.3f} ({2 * r['se']:.3f}) | {dict([(True, 'yes'), (False, 'no')]).get(r['agree'], 'n/a')} "
+                     f"| {hf} |")
     if rows:
         r = rows[0]
-        lines.append(f"\n{r['project']['samples']:.0f} trained samples per run on both sides; wall per run: project "
+        lines.append(f"\n{r['project']['samples']:.0f} trained samples per run on every side; wall per run: project "
                      f"{r['project']['wall_s']:.0f} s (CLI start, warm start, evals included), TRL "
                      f"{r['trl']['wall_s']:.0f} s. agree: |project − TRL| <= 2·SE, SE = sqrt(s_p²/n_p + s_t²/n_t).")
     return "\n".join(lines)
@@ -176,7 +200,7 @@ def plot(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.4 * len(tasks)), squeeze=False)
     for row, task in zip(axes, tasks):
         for ax, (metric, label) in zip(row, metrics):
-            for side, color in zip(SIDES, ("tab:blue", "tab:orange")):
+            for side, color in zip(SIDES, ("tab:blue", "tab:orange", "tab:green")):
                 runs = [e for k, e in res["runs"].items() if k.split("/")[0] == task and k.split("/")[2] == side]
                 curves = [{r["step"]: r[metric] for r in e["rows"] if metric in r} for e in runs]
                 steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
@@ -186,7 +210,7 @@ def plot(res: dict, path: Path) -> None:
                 xs = [s * per for s in steps]
                 ys = [[c[s] for c in curves] for s in steps]
                 ax.plot(xs, [statistics.mean(y) for y in ys], color=color, marker="o", ms=3,
-                        label=f"{'this project (sync)' if side == 'project' else 'TRL GRPOTrainer'}, {len(runs)} seeds")
+                        label=f"{LABELS[side]}, {len(runs)} seeds")
                 ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.2)
             ax.set_title(f"{task.rsplit('.', 1)[-1]}: held-out reward, {label}", fontsize=9)
             ax.set_xlabel("trained samples", fontsize=8)
@@ -201,7 +225,8 @@ def main() -> int:
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--tasks", default="reverse,arith", help="comma-separated task paths (a bare name: pipeline.tasks.<name>)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values")
-    ap.add_argument("--sides", default="project,trl")
+    ap.add_argument("--sides", default="project,trl,project_fresh", help="project: the CLI run with its own warm "
+                    "start; trl: GRPOTrainer from its export; project_fresh: the CLI run from that export, fresh AdamW")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-samples", type=int, default=16, help="task.eval_samples on both sides: samples per "
@@ -228,7 +253,7 @@ def main() -> int:
             for seed in map(int, args.seeds.split(",")):
                 for side in sides:
                     run_dir = out / task.rsplit(".", 1)[-1] / f"seed{seed}" / side
-                    entry = (project_side if side == "project" else trl_side)(args, task, seed, run_dir)
+                    entry = RUNNERS[side](args, task, seed, run_dir)
                     merge(results, f"{task}/{seed}/{side}", entry, settings)
                     last = [r for r in entry["rows"] if "eval/reward" in r][-1]
                     print(f"[peer_compare {task} s{seed} {side}] {entry['trained_samples']} samples, held-out "

@@ -136,9 +136,9 @@ def trl_settings(cfg: Config, steps: int, seed: int) -> tuple[dict[str, Any], li
              verdict=same),
         dict(setting="optimizer", project=f"AdamW lr={t.lr}, constant (warmup {t.warmup_steps}), wd={t.weight_decay}, "
              f"clip {t.grad_clip}", trl="AdamW, lr_scheduler_type=constant, same lr, wd, max_grad_norm", verdict=same),
-        dict(setting="optimizer state at the start of RL", project="AdamW moments carried over from the warm "
-             "start's supervised steps (the same optimizer)", trl="fresh AdamW moments",
-             verdict=f"{differ}: the first RL steps of the project take smaller, smoothed steps"),
+        dict(setting="optimizer state at the start of RL", project="side project: the AdamW moments of the warm "
+             "start's supervised steps carry into RL (one optimizer); side project_fresh: fresh, from the export",
+             trl="fresh AdamW moments", verdict=f"{differ} for side project; same for project_fresh"),
         dict(setting="KL", project=f"trainer.kl_coef={t.kl_coef}, k3 in the loss, reference = the warm start",
              trl=f"beta={t.kl_coef} (k3 in the loss, reference = the model it starts from), use_bias_correction_kl=False",
              verdict=same if t.kl_estimator == "k3" else f"{differ}: trainer.kl_estimator={t.kl_estimator}, TRL has k3"),
