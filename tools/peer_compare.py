@@ -183,6 +183,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TRAIN = {"train reward": ("reward/mean", "reward"), "KL to the warm start": ("kl_ref", "kl"),
+         "entropy": ("entropy", "entropy"), "response length": ("response/length_mean", "completions/mean_length")}
+"""Per-step metrics both sides log, (this project's name, TRL's): the same definitions (k3 values per
+token for KL, EOS counted in the length)."""
+
+
+def train_table(res: dict, last: int = 20) -> str:
+    """Per task and side: the mean over seeds of each TRAIN metric averaged over the last `last` steps."""
+    lines = [f"| task | side | {' | '.join(TRAIN)} (mean of the last {last} steps) |", "|---|---|" + "---|" * len(TRAIN)]
+    for task in sorted({k.split("/")[0] for k in res["runs"]}):
+        for side in SIDES:
+            runs = [e for k, e in res["runs"].items() if k.split("/")[0] == task and k.split("/")[2] == side]
+            if not runs:
+                continue
+            cells = []
+            for ours, theirs in TRAIN.values():
+                key = theirs if side == "trl" else ours
+                per_run = [[r[key] for r in e["rows"] if key in r][-last:] for e in runs]
+                cells.append(f"{statistics.mean(statistics.mean(v) for v in per_run):.3f}")
+            lines.append(f"| {task.rsplit('.', 1)[-1]} | {LABELS[side]} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def settings_table(settings: list[dict]) -> str:
     lines = ["| setting | this project | TRL | on-policy |", "|---|---|---|---|"]
     lines += [f"| {s['setting']} | {s['project']} | {s['trl']} | {s['verdict']} |" for s in settings]
@@ -263,7 +286,7 @@ def main() -> int:
     if not res["runs"]:
         raise SystemExit(f"peer_compare: {results} holds no runs yet")
     rows = summary(res)
-    text = table(rows) + "\n\n" + settings_table(res.get("settings", []))
+    text = table(rows) + "\n\n" + train_table(res) + "\n\n" + settings_table(res.get("settings", []))
     print("\n" + text)
     (out / "compare.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
