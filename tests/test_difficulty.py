@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
-from collections import Counter
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,7 @@ from pipeline.difficulty import MAX_DOUBLINGS, DifficultyFilter
 from pipeline.tasks import PromptStream, Task
 from pipeline.types import PromptItem, Rollout
 
+REPO = Path(__file__).resolve().parents[1]
 FLAT1, FLAT0, SPREAD = [1.0] * 4, [0.0] * 4, [0.0, 1.0, 1.0, 0.0]
 
 
@@ -169,3 +173,26 @@ def test_tracked_prompts_are_bounded(monkeypatch):
         f.observe(f"p{i}", FLAT0, version=0)
     assert list(f._entries) == ["p2", "p3", "p4"] and f.aside_now == 3
     assert f.admit("p0", 1) and not f.admit("p4", 1)  # the least recently seen are forgotten
+
+
+def test_cli_run_sets_aside_prompts_that_always_pay_the_same_and_retries_them(tmp_path):
+    """A real run (tests/filter_task.py: 4 of 8 prompts always pay 1.0): the flat ones are set aside
+    after 2 groups of 4, passed over, and retried 4 steps later, as the per-step metrics show; the others keep
+    coming, so batches keep their signal."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=16",
+                        "run.eval_every=0", "run.warm_start_steps=0", "run.checkpoint_every=0", "run.progress=false",
+                        "buffer.batch_groups=2", "buffer.group_size=4", "buffer.overcommit=none",
+                        "buffer.set_aside_samples=8", "buffer.retry_after=4", "generator.concurrency=8",
+                        "generator.max_new_tokens=4", "task.name=tests.filter_task", f"run.out_dir={out}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "buffer/prompts_set_aside" in r]
+    assert len(steps) == 16
+    last = steps[-1]
+    assert last["buffer/prompts_set_aside"] >= 2 and last["buffer/prompts_retried"] >= 1, last
+    assert last["buffer/prompts_skipped"] >= 1 and 0 < last["buffer/signal_share"] < 1, last
+    assert last["buffer/filter_saturated"] == 0.0
+    # prompts with signal fill the batches once the flat ones are set aside
+    assert sum(r["groups/zero_variance_frac"] for r in steps[-4:]) / 4 < 0.5
