@@ -23,7 +23,7 @@ Contracts:
   generators. So the state is central: N generators change nothing, and a generator that dies
   loses nothing of it. Groups dropped before they finish (stale, failed) teach it nothing.
 - Epochs: the stream is unchanged, every prompt is drawn once per epoch; a set-aside one is passed
-  over (counted in `skipped_draws`) until it is due, then admitted as a retry. So a finite split's
+  over (counted in `prompts_skipped`) until it is due, then admitted as a retry. So a finite split's
   prompts all come back within an epoch of their retry version (nothing is starved), and with
   run.epochs an epoch still means one pass over every prompt. An infinite source of fresh prompts
   rarely repeats one; the filter then only forgets: it tracks at most MAX_TRACKED prompts, dropping
@@ -31,8 +31,8 @@ Contracts:
 - Liveness: admit() returns False at most 2·(set-aside prompts) + 1 times in a row. More skips in a
   row than that cannot happen while some prompt is not set aside (one epoch draws each set-aside
   prompt once, two epochs' seam twice), so then every prompt drawn is set aside: the filter
-  warns once with the counts (how many at which reward: solved, or out of reach) and admits every
-  prompt until a group shows a reward spread again. A batch is never starved and the draw loop
+  warns with the counts (how many at which reward: solved, or out of reach; at most once per
+  WARN_EVERY steps, else at INFO) and admits every prompt until a group shows a reward spread again. A batch is never starved and the draw loop
   never spins.
 - Versions are the buffer's trainer versions (steps), so retry delays mean the same in sync and
   async mode. state_dict() holds everything; a checkpoint from before the filter loads as empty.
@@ -64,6 +64,8 @@ MAX_DOUBLINGS = 4
 """A prompt set aside again and again waits at most retry_after·2^4 versions between retries."""
 SIGNAL_WINDOW = 256
 """Recent groups over which `signal_share` is measured."""
+WARN_EVERY = 100
+"""Steps between two warnings that every prompt is set aside (a flickering spread would repeat it)."""
 
 
 @dataclass
@@ -90,6 +92,7 @@ class DifficultyFilter:
         self.groups = self.groups_with_signal = 0
         self.set_aside = self.retried = self.retried_with_signal = self.skipped = self.forced = 0
         self.saturations = 0
+        self._warned_at: int | None = None  # version of the last saturation warning (not checkpointed)
         self._recent: deque[bool] = deque(maxlen=SIGNAL_WINDOW)
 
     @property
@@ -119,7 +122,7 @@ class DifficultyFilter:
         self._run += 1
         self.skipped += 1
         if self._run > 2 * self._aside + 1:
-            self._saturate()
+            self._saturate(version)
             self.forced += 1
             return True
         return False
@@ -167,19 +170,21 @@ class DifficultyFilter:
         if e.until is not None:
             self._aside -= 1
 
-    def _saturate(self) -> None:
+    def _saturate(self, version: int) -> None:
         self.saturated = True
         self.saturations += 1
         self._run = 0
+        warn = self._warned_at is None or version >= self._warned_at + WARN_EVERY
+        self._warned_at = version if warn else self._warned_at
         by_value = Counter(e.value for e in self._entries.values() if e.until is not None)
         values = ", ".join(f"{n} at reward {v:g}" for v, n in sorted(by_value.items(), reverse=True))
-        log.warning(
+        (log.warning if warn else log.info)(
             "difficulty filter: every prompt drawn lately is set aside (%d prompts: %s; their last %d+ groups "
             "each had equal rewards, so GRPO learns nothing from them): the policy always solves them or never "
             "does. Admitting them anyway so batches keep coming, until a group shows a reward spread again. "
             "Groups with signal so far: %d of %d. If they are solved the task is done (end the run, or make "
             "it harder); if out of reach, a longer warm start (run.warm_start_steps) or an easier task helps; "
-            "buffer.set_aside_after=0 turns the filter off.", self._aside, values or "none", self.after,
+            "buffer.set_aside_samples=0 turns the filter off.", self._aside, values or "none", self.after,
             self.groups_with_signal, self.groups)
 
     def stats(self) -> dict:

@@ -101,6 +101,12 @@ def test_every_prompt_set_aside_never_starves_the_draw_and_says_so(caplog):
     assert len(drawn) == 12 and stream.progress() == (4 * 6 + 2) / 6  # no skip
     f.observe("p0", SPREAD, version=2)  # a spread: filtering resumes
     assert not f.saturated and f.aside_now == 5
+    f.observe("p0", FLAT0, version=2)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pipeline.difficulty"):
+        f.draw(stream, version=3)  # saturated again soon after: said at INFO, not warned again
+    assert f.saturated and f.stats()["filter_saturations"] == 2
+    assert [r.levelname for r in caplog.records] == ["INFO"]
 
 
 def test_a_finite_split_is_still_served_whole_every_epoch_and_nothing_starves():
