@@ -78,6 +78,9 @@ class _Entry:
 
 
 class DifficultyFilter:
+    """Per-prompt flat-group streaks, set-asides and retries; the contracts are the module docstring's.
+    Plain Python, no I/O but one log line when every prompt is set aside; the buffer core owns one."""
+
     def __init__(self, set_aside_after: int, retry_after: int):
         """`set_aside_after` flat groups in a row set a prompt aside (0: the filter is off, admit
         is always True); it is retried after `retry_after` versions, doubling per repeat."""
@@ -119,12 +122,12 @@ class DifficultyFilter:
         if self.saturated:
             self.forced += 1
             return True
-        self._run += 1
-        self.skipped += 1
-        if self._run > 2 * self._aside + 1:
+        if self._run >= 2 * self._aside + 1:  # more skips in a row than can be: all set aside
             self._saturate(version)
             self.forced += 1
             return True
+        self._run += 1
+        self.skipped += 1
         return False
 
     def draw(self, items: Iterator[PromptItem], version: int) -> PromptItem | None:

@@ -95,7 +95,7 @@ def test_every_prompt_set_aside_never_starves_the_draw_and_says_so(caplog):
     with caplog.at_level(logging.WARNING, logger="pipeline.difficulty"):
         item = f.draw(stream, version=1)
     assert item is not None and stream.progress() == (2 * 6 + 2) / 6  # 2·6 + 1 skips, then one admitted
-    assert f.saturated and f.stats()["prompts_forced"] == 1
+    assert f.saturated and f.stats()["prompts_forced"] == 1 and f.stats()["prompts_skipped"] == 13
     assert "every prompt drawn lately is set aside (6 prompts: 3 at reward 1, 3 at reward 0" in caplog.text
     drawn = [f.draw(stream, version=1).prompt for _ in range(12)]  # saturated: every draw admitted
     assert len(drawn) == 12 and stream.progress() == (4 * 6 + 2) / 6  # no skip
