@@ -26,6 +26,11 @@ the remainder (under B groups, logged) is not, like a data loader's drop_last. A
 stale has its prompt admitted again before new ones (buffer.retry_stale), so the stream counts as
 ended only once no retry waits; groups dropped as zero signal or failed are not generated again. stats() and finish_step() report the stream position
 as `data_epoch` (epochs drawn, fractional once the epoch length is known).
+
+Difficulty filter: the one stream serves every generator and every finished group reaches this
+actor, so the filter (core.difficulty, pipeline/difficulty.py) is central: a prompt drawn is admitted
+only if the filter lets it through, else the next is drawn (set-aside prompts are passed over, so an
+epoch is still one pass over every prompt; the filter bounds the skips in a row, so a draw never spins).
 """
 
 from __future__ import annotations
@@ -104,7 +109,7 @@ class ReplayBufferActor(Actor):
             return self.core.admit_retry(lessee)
         if self.exhausted:
             return None
-        item = next(self.prompts, None)
+        item = self.core.difficulty.draw(self.prompts, self.core.version)
         if item is None:
             self.exhausted = True
             log.info("buffer: the prompt stream ended after %g epochs (run.epochs); %d groups in flight, %d complete",

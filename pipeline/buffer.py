@@ -15,6 +15,10 @@ group, before new prompts, so no prompt of a finite dataset is lost to staleness
 "failed" (release() by a generator), "skipped_step" (skip_batch(): the trainer skipped the step
 of the last batch taken).
 
+Difficulty: every finished group's rewards go to `self.difficulty` (pipeline/difficulty.py, the
+online difficulty filter), which the actor asks before it admits a prompt drawn from the stream; its
+state is part of state_dict(). Stale retries and requeued groups are not asked (never judged).
+
 Accounting: each admitted group brings G sample slots and check_accounting() verifies
 
     admitted_samples == trained_samples + sum(dropped_samples by reason) + held_samples
@@ -67,6 +71,7 @@ from typing import Iterable
 import torch
 
 from pipeline.config import BufferConfig
+from pipeline.difficulty import DifficultyFilter
 from pipeline.overcommit import DeltaController
 from pipeline.types import Batch, PromptGroup, PromptItem, Rollout
 
@@ -118,6 +123,8 @@ class ReplayBufferCore:
                              "(one sample never has a reward spread); use zero_signal='keep'")
         self.cfg, self.pad_id = cfg, pad_id
         self.delta_ctl = DeltaController(cfg)
+        # the evidence is in samples: a flat group of 2 says less than one of 16
+        self.difficulty = DifficultyFilter(-(-cfg.set_aside_samples // cfg.group_size), cfg.retry_after)
         self.version = 0
         self._next_id = 0
         self._in_flight: dict[int, _Group] = {}
@@ -297,6 +304,7 @@ class ReplayBufferCore:
         del self._in_flight[g.group.group_id]
         self._lease.pop(g.group.group_id, None)
         rewards = [g.samples[i].reward for i in range(self.cfg.group_size)]
+        self.difficulty.observe(g.group.item.prompt, rewards, self.version)
         if max(rewards) == min(rewards):
             self.zero_signal_groups += 1
             if self.cfg.zero_signal == "drop":
@@ -433,6 +441,7 @@ class ReplayBufferCore:
             "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups,
             "staleness_hist": dict(sorted(self.staleness_hist.items())),
             "trainer_wait_s_total": self.wait_s_total, "trainer_wait_s_last": self.wait_s_last,
+            **self.difficulty.stats(),
         }
 
     def state_dict(self) -> dict:
@@ -453,7 +462,8 @@ class ReplayBufferCore:
                              for g in self._complete.values()],
                 "in_flight": [(g.group, sum(r.num_model_tokens for r in g.samples.values()))
                               for g in self._in_flight.values()],
-                "delta_capped_steps": self.delta_capped_steps, "delta": self.delta_ctl.state_dict()}
+                "delta_capped_steps": self.delta_capped_steps, "delta": self.delta_ctl.state_dict(),
+                "difficulty": self.difficulty.state_dict()}
 
     def load_state_dict(self, s: dict) -> None:
         """Restore a state_dict into a fresh buffer: complete groups are ready to train, in-flight
@@ -481,3 +491,5 @@ class ReplayBufferCore:
             self.wasted_tokens += received_tokens  # its samples so far are generated again
         self.requeued_groups += len(s["in_flight"])
         self.delta_ctl.load_state_dict(s["delta"])
+        if "difficulty" in s:  # a checkpoint from before the filter: it starts empty
+            self.difficulty.load_state_dict(s["difficulty"])

@@ -51,6 +51,11 @@ def print_summary(cfg: Config, summary: dict) -> None:
     if summary.get("ended") == "data":
         print(f"   end of data: {summary['stats']['buffer']['data_epoch']:g} epochs of prompts drawn "
               f"(run.epochs={cfg.run.epochs}), before run.steps={cfg.run.steps}")
+    buf = (summary.get("stats") or {}).get("buffer") or {}
+    if buf.get("prompts_set_aside"):
+        print(f"   difficulty filter: {buf['prompts_set_aside']} times a prompt was set aside (its groups kept one "
+              f"reward), {buf['prompts_retried']} retries, {buf['prompts_aside']} set aside at the end; "
+              f"{buf['groups_with_signal']} of {buf['groups_observed']} groups had a reward spread")
     if cfg.run.warm_start_steps:
         print(f"   warm start: {cfg.run.warm_start_steps} supervised steps on task demonstrations before RL "
               f"(held-out rewards below are measured after it)")

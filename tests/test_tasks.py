@@ -5,7 +5,8 @@ import pytest
 from pipeline.tasks import PromptStream, TaskError, load_task, take
 
 
-BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed"]
+BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed",
+           "pipeline.tasks.rotate"]
 
 
 @pytest.mark.parametrize("name", BUILTIN)
@@ -121,6 +122,40 @@ def test_calc_tool_task_episode_and_reward():
     assert task.reward("mul 12*3=", "?12*3:36;36") == 1.0
     assert task.reward("mul 12*3=", "?12*3:36;") == 0.0  # no final answer after the tool's result
     assert 0 < task.reward("mul 12*3=", "?12*3:36;16") < 1
+
+
+def test_rotate_pays_the_exact_answer_or_nothing():
+    task = load_task("pipeline.tasks.rotate")
+    assert task.reward("rot abcd=", "bcda") == 1.0 and task.reward("rot abcd=", " bcda ") == 1.0
+    assert task.reward("rot abcd=", "bcdx") == 0.0 and task.reward("rot abcd=", "bcdaa") == 0.0
+    assert task.reward("rot abcd=", "dcba") == 0.0  # reversing is not rotating
+    assert [i.prompt for i in take(task, 0, "train", 5)] != [i.prompt for i in take(task, 0, "eval", 5)]
+    with pytest.raises(ValueError, match="malformed"):
+        task.reward("rev abc=", "bca")
+
+
+def test_lookup_tool_task_answer_must_be_copied_from_the_tool():
+    from pipeline.model import CHARS
+    from pipeline.tasks.lookup import code_of
+
+    task = load_task("pipeline.tasks.lookup")
+    items = take(task, seed=3, split="train", n=50)
+    for item in items:
+        demo = task.demonstration(item)  # model turn, observation, model turn
+        env = task.env(item)
+        assert env.step(demo[0]) == demo[1] == f":{item.answer};"  # the tool gives the answer
+        assert env.step(demo[2]) is None  # a final answer ends the episode
+        assert task.reward(item.prompt, "".join(demo)) == 1.0
+        assert set(item.prompt + "".join(demo)) <= set(CHARS)
+    assert len({i.answer for i in items}) > 30  # a table, not a rule the model could learn
+    assert code_of("abc") == code_of("abc") == task.env(items[0]).step("?abc")[1:-1]  # any key, fixed codes
+    env = task.env(items[0])
+    assert env.step("?ab") == ":error;" and env.step("?ABC") == ":error;" and env.step("? abc ") == f":{code_of('abc')};"
+    code = code_of("qmz")
+    assert task.reward("key qmz=", f"?:{code};{code}") == 1.0
+    assert task.reward("key qmz=", f"?:{code};") == 0.0  # called the tool, did not use its answer
+    assert task.reward("key qmz=", code) == 1.0  # a guess that happens to be right pays too
+    assert 0 < task.reward("key qmz=", f"?:{code};{code[:2]}0" if code[2] != "0" else f"?:{code};{code[:2]}1") < 1
 
 
 def test_env_is_a_plug_in_by_dotted_path():

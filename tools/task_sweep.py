@@ -7,7 +7,11 @@ Each task is a whole CLI run (`python -m pipeline.run --config configs/tiny.yaml
 one after another (they would share the cores). Per task it reads the run's metrics and reports
 held-out reward before RL (after the supervised warm start) and at the end, sampled (the policy's
 expected reward, what RL optimises) and greedy, the lowest entropy and the final response length,
-the steps the collapse watch flagged, and the wall time. It writes sweep.md (the table), sweep.json,
+the steps the collapse watch flagged, and the wall time; the warm start's steps and why it stopped
+(the run summary's `warm_start` when the run reports one, else the fixed run.warm_start_steps),
+held-out pass@k before and after RL, the first RL step whose batch had a group with a reward spread
+(and its seconds after RL began; "never" if none), and the prompts the difficulty filter set aside
+and retried (pipeline/difficulty.py). It writes sweep.md (the table), sweep.json,
 and per task <task>.png (held-out reward, entropy, response length, groups without signal over
 steps) plus sweep.png with every task side by side, into --out. A task "passes" when RL adds at
 least --min-gain sampled reward and greedy reward does not fall. Extra `key=value` arguments
@@ -31,7 +35,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.driver.metrics import read_jsonl  # noqa: E402
 
 BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed",
-           "pipeline.tasks.calc"]
+           "pipeline.tasks.calc", "pipeline.tasks.rotate", "pipeline.tasks.lookup"]
 PANELS = [("held-out reward", ["eval/reward", "eval/reward_greedy"]), ("policy entropy", ["entropy"]),
           ("response length", ["response/length_mean"]), ("groups without signal", ["groups/zero_variance_frac"])]
 
@@ -65,7 +69,26 @@ def run_cli(run_dir: Path, overrides: list[str], config: str, timeout: float, re
         wall = time.monotonic() - t0
         done.write_text(json.dumps({"exit_code": code, "wall_s": wall, "overrides": overrides}))
     rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    return {"exit_code": code, "wall_s": wall, "rows": rows}
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    return {"exit_code": code, "wall_s": wall, "rows": rows, "summary": summary, "cfg": cfg}
+
+
+def warm_start_of(summary: dict, cfg) -> str:
+    """Steps and why the warm start stopped: the run summary's `warm_start` {steps, reason} when the run
+    reports one (run.warm_start_steps=auto), else the configured count."""
+    ws = summary.get("warm_start")
+    if isinstance(ws, dict) and "steps" in ws:
+        return f"{ws['steps']} ({ws.get('reason', '?')})"
+    n = cfg.run.warm_start_steps
+    return f"{n} (fixed: run.warm_start_steps)" if n else "none"
+
+
+def first_signal(rows: list[dict], t_rl: float) -> str:
+    """The first RL step whose batch had a group with a reward spread, and its seconds after RL began."""
+    for r in rows:
+        if r.get("groups/zero_variance_frac", 1.0) < 1.0:
+            return f"step {r['step']}, {r['time_s'] - t_rl:.0f} s"
+    return "never"
 
 
 def run_task(task: str, args, out: Path) -> dict:
@@ -76,7 +99,8 @@ def run_task(task: str, args, out: Path) -> dict:
     code, wall, rows = run["exit_code"], run["wall_s"], run["rows"]
     evals = [r for r in rows if "eval/reward" in r]
     steps = [r for r in rows if "entropy" in r]
-    res = {"task": task, "exit_code": code, "wall_s": wall, "steps": len(steps), "rows": rows}
+    res = {"task": task, "exit_code": code, "wall_s": wall, "steps": len(steps), "rows": rows,
+           "warm_start": warm_start_of(run["summary"], run["cfg"])}
     if code != 0 or len(evals) < 2 or not steps:
         res["passed"] = False
         return res
@@ -87,6 +111,9 @@ def run_task(task: str, args, out: Path) -> dict:
         "entropy_first": steps[0]["entropy"], "entropy_min": min(r["entropy"] for r in steps),
         "length_first": steps[0]["response/length_mean"], "length_last": steps[-1]["response/length_mean"],
         "collapsed_steps": sum(r.get("collapse/active", 0) for r in steps),
+        "pass_before": first.get("eval/pass@k", float("nan")), "pass_after": last.get("eval/pass@k", float("nan")),
+        "first_signal": first_signal(steps, first.get("time_s", 0.0)),
+        "set_aside": steps[-1].get("buffer/prompts_set_aside", 0), "retried": steps[-1].get("buffer/prompts_retried", 0),
     })
     res["sampled_gain"] = res["sampled_after"] - res["sampled_before"]
     res["greedy_gain"] = res["greedy_after"] - res["greedy_before"]
@@ -95,18 +122,23 @@ def run_task(task: str, args, out: Path) -> dict:
 
 
 def table(results: list[dict], args) -> str:
-    lines = ["| task | sampled before → after (gain) | greedy before → after | entropy first → min | "
-             "length first → last | collapsed steps | wall | pass |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | warm start steps (why stopped) | sampled before → after (gain) | greedy before → after | "
+             "pass@k before → after | first step with signal | set aside / retried | entropy first → min | "
+             "length first → last | collapsed steps | wall | pass |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "sampled_gain" not in r:
-            lines.append(f"| {short(r['task'])} | run failed (exit {r['exit_code']}) | | | | | {r['wall_s']:.0f} s | no |")
+            lines.append(f"| {short(r['task'])} | {r['warm_start']} | run failed (exit {r['exit_code']}) | | | | | | | | "
+                         f"{r['wall_s']:.0f} s | no |")
             continue
         lines.append(
-            f"| {short(r['task'])} | {r['sampled_before']:.3f} → {r['sampled_after']:.3f} ({r['sampled_gain']:+.3f}) | "
-            f"{r['greedy_before']:.3f} → {r['greedy_after']:.3f} | {r['entropy_first']:.2f} → {r['entropy_min']:.2f} | "
+            f"| {short(r['task'])} | {r['warm_start']} | {r['sampled_before']:.3f} → {r['sampled_after']:.3f} "
+            f"({r['sampled_gain']:+.3f}) | {r['greedy_before']:.3f} → {r['greedy_after']:.3f} | "
+            f"{r['pass_before']:.3f} → {r['pass_after']:.3f} | {r['first_signal']} | "
+            f"{r['set_aside']:.0f} / {r['retried']:.0f} | {r['entropy_first']:.2f} → {r['entropy_min']:.2f} | "
             f"{r['length_first']:.1f} → {r['length_last']:.1f} | {r['collapsed_steps']:.0f} | {r['wall_s']:.0f} s | "
             f"{'yes' if r['passed'] else 'no'} |")
-    lines.append(f"\npass: sampled gain >= {args.min_gain} and greedy not lower by more than {args.greedy_slack}")
+    lines.append(f"\npass: sampled gain >= {args.min_gain} and greedy not lower by more than {args.greedy_slack}; "
+                 "pass@k with k = task.eval_k")
     return "\n".join(lines)
 
 

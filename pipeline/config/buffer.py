@@ -40,6 +40,14 @@ class BufferConfig:
     """Groups whose rewards are all equal (no learning signal under group-relative advantages):
     keep (trained at zero advantage) | drop (DAPO dynamic sampling: not trained, counted as dropped
     zero_signal, and admission replaces them so batches fill with groups that carry signal)."""
+    set_aside_samples: int = 16
+    """Online difficulty filter (pipeline/difficulty.py): a prompt is set aside once its last groups in a
+    row all got one and the same reward (always solved, or never) over at least this many samples, i.e.
+    after ceil(n / group_size) such groups (2 at group_size 8), so the prompts drawn instead carry signal
+    (0..100000; 0 turns the filter off). Counted per prompt text, over every generator's groups."""
+    retry_after: int = 32
+    """Trainer steps a set-aside prompt waits before the stream may admit it again (1..10^6); each time it
+    is set aside again the wait doubles, up to 16x. A finite split's prompts all come back (nothing starves)."""
     batch_timeout_s: float = 600.0
     """Seconds the trainer waits for a batch before the run fails."""
     cpus: str = ""
@@ -57,6 +65,9 @@ class BufferConfig:
         check(3 <= self.window <= 1000, "buffer.window", self.window, "3..1000")
         check(self.slope_tstat >= 0, "buffer.slope_tstat", self.slope_tstat, ">= 0")
         choice("buffer.zero_signal", self.zero_signal, ("keep", "drop"))
+        check(0 <= self.set_aside_samples <= 100_000, "buffer.set_aside_samples", self.set_aside_samples,
+              "0..100000 (0: off)")
+        check(1 <= self.retry_after <= 1_000_000, "buffer.retry_after", self.retry_after, "1..1000000")
         check(self.batch_timeout_s > 0, "buffer.batch_timeout_s", self.batch_timeout_s, "> 0")
         id_set("buffer.cpus", self.cpus)
 

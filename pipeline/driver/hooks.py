@@ -221,8 +221,15 @@ def reward_metrics(gens: list[dict], job: Any) -> dict[str, float]:
     return out
 
 
+DIFFICULTY_METRICS = ("prompts_set_aside", "prompts_retried", "prompts_aside", "prompts_skipped", "signal_share",
+                      "filter_saturated")
+"""The difficulty filter's stats (pipeline/difficulty.py) logged per step as buffer/<name>."""
+
+
 def buffer_metrics(buf: dict) -> dict[str, float]:
-    """The buffer's per-step metrics: Δ, drops and wasted tokens (every mode reports them)."""
+    """The buffer's per-step metrics: Δ, drops and wasted tokens, the difficulty filter's counts
+    (every mode reports them)."""
     return {"buffer/delta": float(buf["delta"]), "buffer/dropped_samples": float(buf["dropped_samples"]),
             "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"]),
-            "buffer/zero_signal_groups": float(buf["zero_signal_groups"]), "data/epoch": float(buf["data_epoch"])}
+            "buffer/zero_signal_groups": float(buf["zero_signal_groups"]), "data/epoch": float(buf["data_epoch"]),
+            **{f"buffer/{k}": float("nan") if buf[k] is None else float(buf[k]) for k in DIFFICULTY_METRICS}}
