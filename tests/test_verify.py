@@ -108,7 +108,6 @@ def test_cli_run_verifies_every_push_bit_for_bit(transport, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["pushes"] == {"started": 2, "verified": 2}, summary["pushes"]
-    assert "weight version 1 verified bit for bit on 1 generator(s): 19 tensors" in p.stdout + p.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "mismatch_max" in r]
     assert len(rows) == 2
