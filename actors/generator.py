@@ -9,6 +9,7 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     await gens.start_generation.call(buf)                          # N' requests in flight from buf.admit()
     await gens.stage_weights.call(v)                               # transport -> staging; generation goes on
     await gens.apply_weights.call(v)                               # on_update strategy around the vLLM load
+    sums = await gens.served_checksums.call_one()                  # weight_sync.verify: what the engine serves
     await gens.end_stage.call()                                    # carry_over: keep running | save partials
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
     await gens.stats.call_one()                                    # version, in-flight, tokens/s, pauses...
@@ -36,6 +37,7 @@ from pipeline.generator.core import GeneratorCore
 from pipeline.placement import Placement, apply, generator_placements
 from pipeline.procs import descendants, me
 from pipeline.types import PromptGroup, Rollout
+from pipeline.weightsync.verify import corrupt_served, served_checksums
 
 __all__ = ["GeneratorActor", "MeshSource", "stream_prefix"]
 
@@ -145,8 +147,10 @@ class GeneratorActor(Actor):
         return self.receiver.last_timing["pull_s"]
 
     @endpoint
-    async def apply_weights(self, version: int, on_update: str | None = None) -> int:
-        """Load the staged `version` into vLLM under the on_update strategy; returns the served version."""
+    async def apply_weights(self, version: int, on_update: str | None = None, corrupt_first: bool = False) -> int:
+        """Load the staged `version` into vLLM under the on_update strategy; returns the served version.
+        `corrupt_first` (weight_sync.verify's start-up check): every served weight is corrupted first,
+        inside the same pause, so no token is sampled from it and only the load can undo it."""
         from pipeline.weightsync import load_into_vllm
 
         self.core.check()
@@ -156,8 +160,24 @@ class GeneratorActor(Actor):
         if self.cfg.trainer.lora.rank:  # the push carries adapters: a new LoRA of the engine (pipeline/lora.py)
             return await self.core.update(
                 version, lambda: self.core.load_lora(self.receiver, version, timeout_s), on_update)
-        return await self.core.update(
-            version, lambda: load_into_vllm(self.core.engine.llm, self.receiver, version, timeout_s), on_update)
+        llm = self.core.engine.llm
+
+        async def load() -> None:
+            if corrupt_first:
+                await corrupt_served(llm, timeout_s)
+            await load_into_vllm(llm, self.receiver, version, timeout_s)
+
+        return await self.core.update(version, load, on_update)
+
+    @endpoint  # queued behind apply_weights, so it reads a finished load
+    async def served_checksums(self) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """What the engine serves now: vLLM name -> checksum (wire form) and the HF names each fused
+        parameter concatenates (pipeline/weightsync/served.py)."""
+        self.core.check()
+        t = self.cfg.weight_sync.timeout_s
+        tensors, parts = await self.core.engine.control(served_checksums(self.core.engine.llm, t), "served checksums",
+                                                        t, "weight_sync.timeout_s")
+        return {k: v.to_wire() for k, v in tensors.items()}, parts
 
     @endpoint
     async def version(self) -> int:

@@ -5,6 +5,7 @@
     handle = await trainer.sync_handle(num_receivers)  # once: rank 0 builds the WeightSender
     wv = await trainer.push_weights()                  # WeightVersion; returns once the snapshot is packed
                                                        # (pipeline.weightsync.sync.WeightSync drives it)
+    ref = await trainer.weight_checksums(wv.version)   # weight_sync.verify: the packed snapshot's checksums
     await trainer.save(path, data_state) / await trainer.load(path) -> data_state
     v = await trainer.export_hf(out_dir)               # vLLM-loadable HF directory of version v
     await trainer.close()
@@ -30,7 +31,7 @@ import socket
 from datetime import timedelta
 
 import torch
-from monarch.actor import Actor, current_rank, current_size, endpoint, this_host
+from monarch.actor import Actor, concurrent_endpoint, current_rank, current_size, endpoint, this_host
 
 from pipeline import logs
 from pipeline.config import Config, ConfigError, WeightSyncConfig
@@ -152,6 +153,19 @@ class TrainerActor(Actor):
             raise RuntimeError("trainer: push_weights before sync_handle(num_receivers)")
         return await self.sender.publish(sd, core.version)
 
+    @concurrent_endpoint  # beside the next train_step: it reads the packed slot, not the live weights
+    async def weight_checksums(self, version: int) -> dict[str, str] | None:
+        """Rank 0: HF name -> checksum (wire form, pipeline/weightsync/checksum.py) of the packed
+        snapshot of `version`, the weights the engines must serve (None elsewhere). Call it before
+        the push of version + 1 starts (WeightSync does): that push's pack reuses no slot of
+        `version`, but the one after it does."""
+        if self._c().par.rank != 0:
+            return None
+        if self.sender is None:
+            raise RuntimeError("trainer: weight_checksums before sync_handle(num_receivers)")
+        sums = await asyncio.to_thread(self.sender.checksums, version)
+        return {k: v.to_wire() for k, v in sums.items()}
+
 
 class Trainer:
     """Driver-side handle on the trainer mesh: calls every rank, returns rank 0's answer."""
@@ -227,6 +241,9 @@ class Trainer:
 
     async def push_weights(self) -> WeightVersion:
         return await self.call_all("push_weights", timeout=self.cfg.weight_sync.timeout_s)
+
+    async def weight_checksums(self, version: int) -> dict[str, str]:
+        return await self.call_all("weight_checksums", version, timeout=self.cfg.weight_sync.timeout_s)
 
     async def close(self) -> None:
         await self.procs.stop()

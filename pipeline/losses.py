@@ -61,7 +61,9 @@ token mean over sequences. The denominators are arguments so a data-parallel tra
 
 Metrics: is_ess_raw = (Σρ)² / (n·Σρ²) over the n loss tokens, how far μ is from π_old; is_ess, the
 same on the weights w the loss applies (after truncation / masking; 1 for none and ppo_is), how
-many tokens the update effectively learns from.
+many tokens the update effectively learns from. The sampler/learner gap metrics are reported over
+every loss token and split in two (`mismatch_sums`' `current`): tokens of π_old's own version, where
+a gap is the two engines disagreeing, and stale tokens, where it also holds the policy's drift.
 """
 
 from __future__ import annotations
@@ -204,35 +206,57 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, n_t
     raise ValueError(f"losses: unknown trainer.aggregation={aggregation!r}")
 
 
+MAX_KEYS = ("mismatch_max", "mismatch_cur_max", "mismatch_stale_max")
+"""The keys of `mismatch_sums` that are all-reduced with MAX (the others with SUM)."""
+
+
 def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
-                  cfg: TrainerConfig, log_mix: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  cfg: TrainerConfig, log_mix: torch.Tensor | None = None,
+                  current: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-shard sums describing sampler (μ) vs learner (π_old) disagreement on the sampled tokens,
     and the importance weights `cfg.correction` applies to them.
 
-    Sum keys can be all-reduced with SUM, `mismatch_max` with MAX; `finalize_mismatch` turns them
-    into the logged metrics. Sequences without loss tokens are skipped.
+    `current` [N, T-1] bool: the tokens sampled by the version π_old was computed with (the
+    trainer's current version). With it the gap sums are also split: `cur_*` over those tokens
+    (sampler/learner disagreement proper: same weights, two engines) and `stale_*` over the others
+    (that plus the policy drift since the older version that made them).
+    The `MAX_KEYS` are all-reduced with MAX, the rest with SUM; `finalize_mismatch` turns them into
+    the logged metrics. Sequences without loss tokens (in a split: without its tokens) are skipped.
+
+    Example:
+        s = mismatch_sums(old, mu, mask, cfg, current=versions[:, 1:] == trainer_version)
+        m = finalize_mismatch({k: float(v) for k, v in s.items()})   # one shard: nothing to reduce
     """
     with torch.no_grad():
         old, mu, mask = old.double(), mu.double(), mask.double()
-        diff = (old.exp() - mu.exp()).abs() * mask
-        n = mask.sum(dim=1)
-        has = n > 0
+        gap = (old.exp() - mu.exp()).abs()
         log_rho = ((old - mu) * mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         rho = torch.exp(log_rho) * mask
         w = is_weights(old, mu, mask, cfg, None if log_mix is None else log_mix.double())[0] * mask
-        per_max = diff.max(dim=1).values
-        return {
-            "seqs": has.sum().double(),
-            "resp_max_sum": per_max[has].sum(),
-            "resp_mean_sum": (diff.sum(dim=1)[has] / n[has]).sum(),
-            "k1_sum": ((mu - old) * mask).sum(),
-            "tokens": mask.sum(),
-            "rho_sum": rho.sum(),
-            "rho_sq_sum": (rho * rho).sum(),
-            "w_sum": w.sum(),
-            "w_sq_sum": (w * w).sum(),
-            "mismatch_max": per_max.max() if per_max.numel() else torch.zeros((), dtype=torch.float64),
-        }
+        out = {**_gap_sums("", gap, old - mu, mask),
+               "rho_sum": rho.sum(), "rho_sq_sum": (rho * rho).sum(),
+               "w_sum": w.sum(), "w_sq_sum": (w * w).sum()}
+        if current is not None:
+            cur = current.to(mask.device).bool()
+            out.update(_gap_sums("cur_", gap, old - mu, mask * cur))
+            out.update(_gap_sums("stale_", gap, old - mu, mask * ~cur))
+        return out
+
+
+def _gap_sums(prefix: str, gap: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The gap sums over the tokens of `mask`, keys prefixed (the max as "mismatch_{prefix}max")."""
+    diff = gap * mask
+    n = mask.sum(dim=1)
+    has = n > 0
+    per_max = diff.max(dim=1).values
+    return {
+        f"{prefix}seqs": has.sum().double(),
+        f"{prefix}resp_max_sum": per_max[has].sum(),
+        f"{prefix}resp_mean_sum": (diff.sum(dim=1)[has] / n[has]).sum(),
+        f"{prefix}k1_sum": (-log_ratio * mask).sum(),
+        f"{prefix}tokens": mask.sum(),
+        f"mismatch_{prefix}max": per_max.max() if per_max.numel() else torch.zeros((), dtype=torch.float64),
+    }
 
 
 def finalize_mismatch(s: dict[str, float]) -> dict[str, float]:
@@ -242,13 +266,18 @@ def finalize_mismatch(s: dict[str, float]) -> dict[str, float]:
     |p_sampler − p_learner|; mismatch_max: the largest token gap in the batch; kl_sampler_learner:
     k1 estimate of KL(μ ‖ π_old) = E_μ[log μ − log π_old]; is_ess_raw: (Σρ)² / (n·Σρ²) over
     tokens; is_ess: the same on the applied weights w (0 when the correction zeroed every token).
+    All of these are over every loss token. When the sums carry the split (`current` given to
+    `mismatch_sums`), the same four gap metrics over the current-version tokens and over the stale
+    ones: mismatch_{cur,stale}_resp_max, mismatch_{cur,stale}_resp_mean, mismatch_{cur,stale}_max,
+    kl_sampler_learner_{cur,stale}, and mismatch_{cur,stale}_frac, the split's share of the loss
+    tokens. A split without tokens reports 0 for each (its frac says so).
     """
     seqs, tok = max(s["seqs"], 1.0), max(s["tokens"], 1.0)
 
     def ess(total: float, sq: float) -> float:
         return total * total / (tok * sq) if sq > 0 else (0.0 if s["tokens"] > 0 else 1.0)
 
-    return {
+    out = {
         "mismatch_resp_max": s["resp_max_sum"] / seqs,
         "mismatch_resp_mean": s["resp_mean_sum"] / seqs,
         "mismatch_max": s["mismatch_max"],
@@ -256,6 +285,15 @@ def finalize_mismatch(s: dict[str, float]) -> dict[str, float]:
         "is_ess_raw": ess(s["rho_sum"], s["rho_sq_sum"]),
         "is_ess": ess(s["w_sum"], s["w_sq_sum"]),
     }
+    for part in ("cur", "stale"):
+        if f"{part}_tokens" in s:
+            n_seq, n_tok = max(s[f"{part}_seqs"], 1.0), s[f"{part}_tokens"]
+            out.update({f"mismatch_{part}_resp_max": s[f"{part}_resp_max_sum"] / n_seq,
+                        f"mismatch_{part}_resp_mean": s[f"{part}_resp_mean_sum"] / n_seq,
+                        f"mismatch_{part}_max": s[f"mismatch_{part}_max"],
+                        f"kl_sampler_learner_{part}": s[f"{part}_k1_sum"] / max(n_tok, 1.0),
+                        f"mismatch_{part}_frac": n_tok / tok if s["tokens"] > 0 else 0.0})
+    return out
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

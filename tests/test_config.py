@@ -144,3 +144,21 @@ def test_a_checkpoint_recording_removed_keys_still_resumes(tmp_path, caplog):
                                          [f"run.out_dir={tmp_path}", "run.resume=latest", "trainer.lr=5e-4"]))
     assert cfg.run.resume == str(path)
     assert "trainer.lr=0.0005" in caplog.text and "top_p" not in caplog.text and "weight_sync.backend" not in caplog.text
+
+
+@pytest.mark.parametrize("value, period, verified", [("off", 0, []), ("0", 0, []), ("every", 1, [1, 2, 3, 4, 5, 6, 7]),
+                                                     ("on", 1, [1, 2, 3, 4, 5, 6, 7]), ("3", 3, [1, 4, 7])])
+def test_weight_sync_verify_reads_off_every_or_a_period(value, period, verified):
+    ws = load_config(str(REPO / "configs/tiny.yaml"), [f"weight_sync.verify={value}"]).weight_sync
+    assert ws.verify_every == period and [n for n in range(1, 8) if ws.verified(n)] == verified
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["weight_sync.verify=sometimes"], "'off', 'every' or a positive integer k"),
+    (["weight_sync.verify=-2"], "'off', 'every' or a positive integer k"),
+    (["weight_sync.verify=every", "trainer.lora.rank=8", "generator.on_update=drain"], "trainer.lora.rank > 0"),
+    (["weight_sync.verify=2", "generator.tensor_parallel_size=2"], "tensor_parallel_size=2"),
+])
+def test_weight_sync_verify_refuses_bad_values_naming_the_key(overrides, why):
+    with pytest.raises(ConfigError, match=re.escape("weight_sync.verify=") + r".*" + re.escape(why)):
+        load_config(str(REPO / "configs/tiny.yaml"), overrides)

@@ -1,6 +1,7 @@
 """Loss math vs a direct float64 reference (plain Python loops), per correction mode and edge case:
 PPO clip, dual clip, IS weights (sequence IS clamps only the summed log-ratio), KL, aggregation,
-sampler/learner mismatch metrics and the effective sample size of raw and applied weights.
+sampler/learner mismatch metrics (over all tokens and split into current and stale ones, reduced over two
+gloo ranks) and the effective sample size of raw and applied weights.
 
     .venv/bin/python -m pytest -q tests/test_losses.py
 """
@@ -11,9 +12,12 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from pipeline.config import TrainerConfig
-from pipeline.losses import finalize_mismatch, is_weights, kl_penalty, mismatch_sums, policy_loss
+from pipeline.losses import MAX_KEYS, finalize_mismatch, is_weights, kl_penalty, mismatch_sums, policy_loss
+from pipeline.trainer.parallel import Parallel
 
 MODES = ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is")
 
@@ -276,6 +280,97 @@ def test_mismatch_metrics_by_hand():
     assert m["is_ess_raw"] == pytest.approx(sum(rho) ** 2 / (5 * sum(x * x for x in rho)))
     same = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, old, mask, TrainerConfig()).items()})
     assert same["is_ess"] == same["is_ess_raw"] == pytest.approx(1.0) and same["mismatch_max"] == 0.0
+
+
+def ref_split(old, mu, mask, versions, current_version) -> dict[str, float]:
+    """The split mismatch metrics by definition, in plain Python loops over a [N, T] batch."""
+    out = {}
+    for part, keep in (("cur", lambda v: v == current_version), ("stale", lambda v: v != current_version)):
+        per_resp, kl, n_tok, top = [], 0.0, 0, 0.0
+        for i in range(len(old)):
+            gaps = [abs(math.exp(old[i][j]) - math.exp(mu[i][j])) for j in range(len(old[0]))
+                    if mask[i][j] and keep(versions[i][j])]
+            kl += sum(mu[i][j] - old[i][j] for j in range(len(old[0])) if mask[i][j] and keep(versions[i][j]))
+            n_tok += len(gaps)
+            if gaps:
+                per_resp.append((max(gaps), sum(gaps) / len(gaps)))
+                top = max(top, max(gaps))
+        total = sum(1 for row in mask for m in row if m)
+        out.update({f"mismatch_{part}_resp_max": sum(a for a, _ in per_resp) / max(len(per_resp), 1),
+                    f"mismatch_{part}_resp_mean": sum(b for _, b in per_resp) / max(len(per_resp), 1),
+                    f"mismatch_{part}_max": top, f"kl_sampler_learner_{part}": kl / max(n_tok, 1),
+                    f"mismatch_{part}_frac": n_tok / total})
+    return out
+
+
+SPLIT_OLD = [[0.5, 0.9, 0.2, 0.6], [0.4, 0.4, 0.4, 0.3], [0.7, 0.1, 0.5, 0.5]]
+SPLIT_MU = [[0.25, 0.9, 0.9, 0.5], [0.4, 0.2, 0.4, 0.3], [0.7, 0.3, 0.5, 0.5]]
+SPLIT_MASK = [[1, 1, 0, 1], [1, 1, 1, 0], [1, 1, 0, 0]]
+SPLIT_VERSIONS = [[3, 3, 3, 2], [2, 2, 3, -1], [1, 1, -1, -1]]  # π_old is version 3
+
+
+def split_batch():
+    f = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
+    return f(SPLIT_OLD).log(), f(SPLIT_MU).log(), f(SPLIT_MASK), torch.tensor(SPLIT_VERSIONS)
+
+
+def test_mismatch_split_into_current_and_stale_tokens_by_hand():
+    """Tokens of π_old's own version (3) and stale ones (1, 2) get their own gap metrics; the
+    whole-batch ones stay as they were."""
+    old, mu, mask, ver = split_batch()
+    sums = mismatch_sums(old, mu, mask, TrainerConfig(), current=ver == 3)
+    m = finalize_mismatch({k: v.item() for k, v in sums.items()})
+    whole = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, mu, mask, TrainerConfig()).items()})
+    assert all(m[k] == whole[k] for k in whole)
+    ref = ref_split(old.tolist(), mu.tolist(), SPLIT_MASK, SPLIT_VERSIONS, 3)
+    assert set(ref) <= set(m)
+    for k, v in ref.items():
+        assert m[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
+    # by hand: current tokens (0,0) gap .25, (0,1) 0, (1,2) 0 (row 1's masked-out (1,3) has version -1)
+    assert m["mismatch_cur_max"] == pytest.approx(0.25) and m["mismatch_cur_frac"] == pytest.approx(3 / 8)
+    assert m["mismatch_cur_resp_mean"] == pytest.approx((0.125 + 0.0) / 2)
+    assert m["kl_sampler_learner_cur"] == pytest.approx(math.log(0.5) / 3)
+    # stale: (0,3) .1, (1,0) 0, (1,1) .2, (2,0) 0, (2,1) .2; the masked (0,2) gap .7 is ignored
+    assert m["mismatch_stale_max"] == pytest.approx(0.2) and m["mismatch_stale_frac"] == pytest.approx(5 / 8)
+    assert m["mismatch_stale_resp_max"] == pytest.approx((0.1 + 0.2 + 0.2) / 3)
+    assert m["mismatch_stale_resp_mean"] == pytest.approx((0.1 + 0.1 + 0.1) / 3)
+    assert m["kl_sampler_learner_stale"] == pytest.approx((math.log(5 / 6) + math.log(0.5) + math.log(3)) / 5)
+
+
+def test_mismatch_split_with_no_stale_tokens_reports_zero_share():
+    old, mu, mask, _ = split_batch()
+    m = finalize_mismatch({k: v.item() for k, v in mismatch_sums(
+        old, mu, mask, TrainerConfig(), current=torch.ones_like(mask, dtype=torch.bool)).items()})
+    assert m["mismatch_stale_frac"] == 0.0 and m["mismatch_stale_max"] == 0.0 and m["mismatch_cur_frac"] == 1.0
+    assert m["mismatch_cur_resp_mean"] == pytest.approx(m["mismatch_resp_mean"], rel=1e-12)
+
+
+def _split_on_two_ranks(rank: int, init: str, out: str) -> None:
+    """One of two gloo ranks: this rank's rows of the split batch, reduced by Parallel.all_reduce."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        old, mu, mask, ver = split_batch()
+        rows = slice(0, 1) if rank == 0 else slice(1, 3)  # uneven shards: 1 row and 2 rows
+        sums = mismatch_sums(old[rows], mu[rows], mask[rows], TrainerConfig(), current=ver[rows] == 3)
+        maxes = {k: sums.pop(k) for k in MAX_KEYS}
+        red = Parallel(TrainerConfig(), rank, 2).all_reduce(sums, maxes)
+        if rank == 0:
+            torch.save(finalize_mismatch(red), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mismatch_split_all_reduced_over_two_ranks_equals_one_rank(tmp_path):
+    """SUM of the sums and MAX of the maxes over two gloo ranks give the metrics of the whole batch."""
+    out = str(tmp_path / "m.pt")
+    mp.spawn(_split_on_two_ranks, args=(f"file://{tmp_path / 'rdzv'}", out), nprocs=2, join=True)
+    old, mu, mask, ver = split_batch()
+    want = finalize_mismatch({k: v.item() for k, v in mismatch_sums(
+        old, mu, mask, TrainerConfig(), current=ver == 3).items()})
+    got = torch.load(out)
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-12, abs=1e-15), k
 
 
 def ref_ess(values: list[float]) -> float:

@@ -142,6 +142,22 @@ def test_mismatch_metrics_see_sampler_noise(core):
     assert 0 < m["entropy"] <= math.log(core.vocab_size) + 1e-4
 
 
+def test_mismatch_is_split_by_the_version_that_made_each_token(core):
+    """π_old's own version's tokens carry the learner's exact logprobs, the stale ones noisy ones:
+    the noise shows in the stale metrics only, the whole-batch ones mix both."""
+    core.train_step(make_batch(core.model, seed=1))  # version 1
+    exact, noisy = make_batch(core.model, seed=2), make_batch(core.model, seed=2, mu_noise=0.3)
+    stale = torch.arange(6) >= 3
+    beh = torch.where(stale[:, None], noisy.behaviour_logprobs, exact.behaviour_logprobs)
+    ver = torch.where(exact.loss_mask > 0, torch.where(stale[:, None], 0, 1), -1).long()
+    m = core.train_step(replace(exact, behaviour_logprobs=beh, versions=ver, trainer_version=1))
+    assert m["mismatch_cur_max"] < 1e-5 and m["kl_sampler_learner_cur"] == pytest.approx(0, abs=1e-6)
+    assert m["mismatch_stale_max"] > 0.01 and m["mismatch_max"] == m["mismatch_stale_max"]
+    tok = exact.loss_mask[:, 1:]
+    assert m["mismatch_stale_frac"] == pytest.approx(float(tok[3:].sum() / tok.sum()))
+    assert m["mismatch_cur_frac"] + m["mismatch_stale_frac"] == pytest.approx(1.0)
+
+
 def test_save_load_is_bit_identical_and_resumes_exactly(cfg, tmp_path):
     a = TrainCore(cfg)
     b1, b2 = make_batch(a.model, seed=1), make_batch(a.model, seed=2)

@@ -57,6 +57,12 @@ class Config:
                   "requests, so requests kept running through an update would go on with the old adapter")
             check(self.trainer.tensor_parallel == 1, "trainer.tensor_parallel", self.trainer.tensor_parallel,
                   "1 with trainer.lora.rank > 0 (LoRA is not sharded over tensor parallel in this build)")
+        if self.weight_sync.verify_every:  # served weights are compared per vLLM parameter of one worker
+            check(not self.trainer.lora.rank, "weight_sync.verify", self.weight_sync.verify,
+                  "'off' with trainer.lora.rank > 0 (a push carries adapters, not the served weights)")
+            check(g.tensor_parallel_size == 1, "weight_sync.verify", self.weight_sync.verify,
+                  f"'off' with generator.tensor_parallel_size={g.tensor_parallel_size} (verify reads one "
+                  "worker's parameters: tensor_parallel_size 1 only)")
         if self.trainer.correction == "mis_balance":  # one behaviour policy per sample, or no mixture to weight
             check(self.run.mode == "sync" or (g.on_update == "drain" and g.carry_over == "keep"),
                   "trainer.correction", "mis_balance", "with consistent rollouts only: generator.on_update=drain "

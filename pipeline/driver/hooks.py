@@ -70,6 +70,7 @@ class Measure(Hook):
             "throughput/samples_per_s": self.samples / elapsed, "throughput/trained_tokens_per_s": self.tokens / elapsed,
             "throughput/gen_tokens_per_s": sum(g["tokens_per_s"] for g in gens),
             "sync/latency_s": job.sync.last.get("total_s", float("nan")),
+            "sync/verified_pushes": float(job.sync.verified_pushes),
             "version/generator": served, "version/lag": job.version - served,
             "carry/samples": float(sum(g["carried_samples"] for g in gens)),
             "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),

@@ -212,6 +212,7 @@ async def run(cfg: Config, host: Any = None) -> dict:
             await job.trainer.export_hf(summary["checkpoint_merged"], True)
         summary["stats"] = await job.stats()
         summary["restarts"] = [s.incarnation for s in job.fleet.generators]
+        summary["pushes"] = {"started": job.sync.pushes, "verified": job.sync.verified_pushes}
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary
     except BaseException as err:

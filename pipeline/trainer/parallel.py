@@ -35,7 +35,7 @@ Example:
     ref, _ = par.build(hf_dir, torch.bfloat16, cfg.trainer.lora, frozen=True)  # bf16 storage
     loss.backward()
     norm = par.clip_grad_norm(model, cfg.trainer.grad_clip)   # the global norm, before clipping
-    metrics = par.all_reduce({"loss": loss_sum}, mx=mismatch_max)
+    metrics = par.all_reduce({"loss": loss_sum}, {"mismatch_max": mismatch_max})
 """
 
 from __future__ import annotations
@@ -162,25 +162,26 @@ class Parallel:
             sq += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
         return sq
 
-    def all_reduce(self, sums: dict[str, torch.Tensor], mx: torch.Tensor | None = None,
+    def all_reduce(self, sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor] | None = None,
                    per_shard: bool = False) -> dict[str, float]:
-        """SUM-reduce `sums`; MAX-reduce `mx` into "mm_mismatch_max" when given. Sums of the rows a
-        rank trained count once per tp group; `per_shard` sums (of each rank's own shard) are not
-        divided. Every rank must make the same calls (same keys, same `mx is None`)."""
-        keys = sorted(sums)
+        """SUM-reduce `sums` and MAX-reduce `maxes` (scalars) into one dict of floats. Sums of the
+        rows a rank trained count once per tp group; `per_shard` sums (of each rank's own shard) are
+        not divided; maxes never are. Every rank must make the same calls (same keys in both)."""
+        keys, mkeys = sorted(sums), sorted(maxes or {})
         vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
+        mvec = torch.stack([torch.as_tensor(maxes[k], dtype=torch.float64) for k in mkeys]) if mkeys else None
         if self.distributed:
             # gloo reduces CPU tensors; nccl needs them on the device.
             vec = vec.to(self.device)
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-            if mx is not None:
-                mx = mx.to(self.device)
-                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            if mvec is not None:
+                mvec = mvec.to(self.device)
+                dist.all_reduce(mvec, op=dist.ReduceOp.MAX)
         if self.tp > 1 and not per_shard:  # the tp ranks of an fsdp index computed the same rows: count them once
             vec = vec / self.tp
         out = dict(zip(keys, vec.cpu().tolist()))
-        if mx is not None:
-            out["mm_mismatch_max"] = float(mx)
+        if mvec is not None:
+            out.update(zip(mkeys, mvec.cpu().tolist()))
         return out
 
     def barrier(self) -> None:

@@ -19,7 +19,7 @@ Contract:
   copied at full precision.
 
 Example:
-    prox = Proximal(mask.shape, device, tcfg, score_ref)          # one batch
+    prox = Proximal(mask.shape, device, tcfg, score_ref, version)  # one batch
     mis = snapshots.balance_mixture(version, batch, plan, prox)  # mis_balance only: sets prox.log_mix
     prox.record(batch, rows, keep, ids, logp, logits)             # each pre-step forward
     chunks = GradChunks(par)
@@ -48,18 +48,20 @@ class Proximal:
     reference) per row from pre-step forwards, and the once-per-batch metric sums."""
 
     def __init__(self, shape: torch.Size, device: torch.device, tcfg: TrainerConfig,
-                 score_ref: Score | None = None) -> None:
-        self.tcfg, self.device, self.score_ref = tcfg, device, score_ref
+                 score_ref: Score | None = None, version: int | None = None) -> None:
+        self.tcfg, self.device, self.score_ref, self.version = tcfg, device, score_ref, version
         self.logp = torch.zeros(shape, device=device)
         self.ref = torch.zeros(shape, device=device) if score_ref is not None else None
         self.log_mix: torch.Tensor | None = None  # mis_balance: per row, log Σ_j α_j q_j(y) (balance_log_mixture)
         self.sums: dict[str, torch.Tensor] = {}
-        self.mx = torch.zeros((), dtype=torch.float64)
+        self.maxes: dict[str, torch.Tensor] = {}  # "mm_" + losses.MAX_KEYS, all-reduced with MAX
 
     def record(self, batch: Batch, rows: torch.Tensor, keep: float, ids: torch.Tensor,
                logp: torch.Tensor, logits: torch.Tensor) -> None:
         """Store log π_old (and log π_ref) of `rows` from a pre-step forward, and add the rows'
-        sampler/learner mismatch and π_old entropy to the once-per-batch sums."""
+        sampler/learner mismatch and π_old entropy to the once-per-batch sums. With `version` (the
+        trainer's, which π_old is computed with) the mismatch is also split into the tokens that
+        version made and the stale ones (losses.mismatch_sums)."""
         logp = logp.detach()
         mask = batch.loss_mask[rows, 1:].float().to(self.device) * keep
         mu = batch.behaviour_logprobs[rows, 1:].to(self.device).float()
@@ -68,8 +70,13 @@ class Proximal:
             if self.ref is not None:
                 with torch.no_grad():
                     self.ref[rows] = self.score_ref(ids)
-        mm = losses.mismatch_sums(logp, mu, mask, self.tcfg, None if self.log_mix is None else self.log_mix[rows])
-        self.mx = torch.maximum(self.mx, mm.pop("mismatch_max").cpu())
+        current = None if self.version is None else batch.versions[rows, 1:].to(self.device) == self.version
+        mm = losses.mismatch_sums(logp, mu, mask, self.tcfg, None if self.log_mix is None else self.log_mix[rows],
+                                  current)
+        for k in losses.MAX_KEYS:
+            if k in mm:
+                v = mm.pop(k).detach().cpu().double()
+                self.maxes[f"mm_{k}"] = torch.maximum(self.maxes[f"mm_{k}"], v) if f"mm_{k}" in self.maxes else v
         for k, v in {"entropy_sum": losses.token_entropy_sum(logits, mask),
                      **{f"mm_{k}": v for k, v in mm.items()}}.items():
             self.sums[k] = self.sums.get(k, 0) + v.detach().cpu().double()

@@ -150,7 +150,7 @@ class TrainCore:
         plan = minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank, t.micro_batch_size)
         self.model.train()
         score_ref = None if self.ref_model is None else self._scorer(self.ref_model)
-        prox = Proximal(mask_all.shape, self.device, t, score_ref)
+        prox = Proximal(mask_all.shape, self.device, t, score_ref, self.version)
         mis = self.snapshots.balance_mixture(self.version, batch, plan, prox) if t.correction == "mis_balance" else {}
         # π_old of minibatches 1.. with the pre-step weights, before any update. Minibatch 0's is
         # its own first forward (the weights are still pre-step then), which saves that forward and
@@ -173,7 +173,7 @@ class TrainCore:
                         raise
                     raise NonFiniteLossError(f"{e}; {len(steps)} earlier optimizer step(s) of this batch "
                                              "stay applied") from e
-        once = self.par.all_reduce(prox.sums, prox.mx)
+        once = self.par.all_reduce(prox.sums, prox.maxes)
         self.version += 1
         self.samples_seen += batch.num_samples
         tok = float(mask_all.sum())

@@ -10,8 +10,10 @@ from pipeline.weightsync.vllm_plugin import BACKEND
 
 
 def vllm_engine_kwargs() -> dict:
-    """Extra `AsyncEngineArgs` / `LLM` kwargs that enable this backend in the engine."""
-    return {"weight_transfer_config": {"backend": BACKEND}}
+    """Extra `AsyncEngineArgs` / `LLM` kwargs that enable this backend in the engine, and the worker
+    extension that reads back what it serves (weight_sync.verify, pipeline/weightsync/served.py)."""
+    return {"weight_transfer_config": {"backend": BACKEND},
+            "worker_extension_cls": "pipeline.weightsync.served.ServedWeights"}
 
 
 async def pause_keep(engine) -> None:

@@ -11,6 +11,7 @@ import torch
 from pipeline.config import WeightSyncConfig
 from pipeline.types import WeightVersion
 from pipeline.weightsync import segment as seg
+from pipeline.weightsync.checksum import Checksum, of_dict
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
 from pipeline.weightsync.plan import BucketPlan
 from pipeline.weightsync.transport import NUM_SLOTS, SenderTransport, SyncHandle
@@ -101,6 +102,20 @@ class WeightSender:
         self._last_version = version
         self._slot_of = {version: slot_idx}
         return slot_idx
+
+    def checksums(self, version: int) -> dict[str, Checksum]:
+        """Checksums of the packed snapshot of `version` per HF name (pipeline/weightsync/checksum.py):
+        what receivers read, the trainer's weights cast to the engines' dtype. Valid until the slot is
+        reused (publish of version + 2); a read the next pack overlapped raises TornReadError."""
+        if version not in self._slot_of:
+            raise WeightSyncError(f"version {version}: checksums() of a version not packed last "
+                                  f"(last packed {self._last_version})")
+        slot = self.transport.slots[self._slot_of[version]]
+        where = f"sender slot {self._slot_of[version]}"
+        seg.check_header(slot.header, version, self.plan.hash_int, where)
+        out = of_dict(self.plan.unpack(slot.data, version))
+        seg.check_header(slot.header, version, self.plan.hash_int, where, after_read=True)
+        return out
 
     async def send(self, version: int) -> WeightVersion:
         """Transfer a packed version (collective: broadcast to all receivers; rdma/shm: nothing to do)."""

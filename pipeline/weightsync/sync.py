@@ -11,6 +11,8 @@ A push of version v has two phases per generator:
 
     stage  the transport brings v into the generator's staging; generation goes on meanwhile
     apply  the generator's on_update strategy (keep / abort / drain) around the vLLM load
+    verify (weight_sync.verify, on the pushes it names) the checksums of what the generator's engine
+           serves, read back in its worker, against those of the trainer's packed snapshot
 
 Ordering contract:
   * trainer.push_weights (snapshot + pack on rank 0, transfer started) happens first and is awaited
@@ -24,6 +26,12 @@ Ordering contract:
   * apply follows once every stage is done: one generator at a time when `generator.rolling` (the
     others keep generating), else all at once. A generator that does not report v afterwards fails
     the push: a generator silently serving stale weights is the worst bug this system can have.
+  * verify follows each generator's apply (under rolling, before the next generator's apply); the
+    trainer's reference checksums are taken from the packed slot of v while the stage runs, which
+    the next pack leaves alone (it writes the other slot). A mismatch fails that generator's part
+    of the push like a failed load (SyncError naming the generator, the version and the tensors).
+    The first push of a run, when verify is on, corrupts every generator's served weights inside
+    its apply's pause, before the load: its verify then proves the load rewrote every served byte.
   * At most one push is in flight: `start(v+1)` first awaits the push of v, since the trainer's
     slot of v-1 is overwritten by v+1 and a receiver must never read a slot being rewritten.
   * Every call is bounded: the transfer by weight_sync.timeout_s, apply by that plus
@@ -43,10 +51,15 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Callable, MutableSequence
 
 from pipeline.config import Config
+from pipeline.weightsync.checksum import Checksum
+from pipeline.weightsync.verify import VerifyError, check
+
+log = logging.getLogger(__name__)
 
 
 class SyncError(RuntimeError):
@@ -79,8 +92,11 @@ class WeightSync:
         self._lock = asyncio.Lock()  # start / attach / rejoin never interleave
         self._task: asyncio.Task | None = None
         self.served: dict[int, int] = {}
+        self.pushes = 0  # pushes started by this object: weight_sync.verify counts them
+        self.verified_pushes = 0  # pushes whose every member's served weights matched the trainer's
         self.last: dict[str, float] = {}
-        """Timing of the last finished push: total_s, pack_s, stage_s, apply_s (seconds)."""
+        """Timing of the last finished push: total_s, pack_s, stage_s, apply_s, and verify_s when
+        it was verified (seconds, the slowest generator's read-back)."""
 
     @property
     def kind(self) -> str:
@@ -148,7 +164,13 @@ class WeightSync:
             t0 = time.monotonic()
             await self.trainer.push_weights()
             packed = time.monotonic()
-            self._task = asyncio.create_task(self._deliver(version, t0, packed), name=f"weight-push-v{version}")
+            self.pushes += 1
+            verify = None
+            if self.cfg.weight_sync.verified(self.pushes):
+                verify = _Verify(asyncio.ensure_future(self.trainer.weight_checksums(version)),
+                                 corrupt_first=self.pushes == 1)
+            self._task = asyncio.create_task(self._deliver(version, t0, packed, verify),
+                                             name=f"weight-push-v{version}")
 
     async def wait(self) -> float:
         """Wait for the push in flight (if any); raises its error. Seconds end to end of the last push.
@@ -170,15 +192,18 @@ class WeightSync:
         if self._task is not None:
             self._task.cancel()
 
-    async def _deliver(self, version: int, t0: float, packed: float) -> None:
+    async def _deliver(self, version: int, t0: float, packed: float, verify: "_Verify | None") -> None:
         try:
-            await self._deliver_to(version, t0, packed)
+            await self._deliver_to(version, t0, packed, verify)
         except Exception as e:
             if self.on_failure is not None:  # the supervisor ends the run now, with this error
                 self.on_failure(None, e)
             raise
+        finally:
+            if verify is not None:
+                verify.close()
 
-    async def _deliver_to(self, version: int, t0: float, packed: float) -> None:
+    async def _deliver_to(self, version: int, t0: float, packed: float, verify: "_Verify | None") -> None:
         ws, g = self.cfg.weight_sync, self.cfg.generator
         members = self.live()
         ok = await _bounded(f"weight push v{version}: stage over {self.kind}", asyncio.gather(
@@ -187,14 +212,21 @@ class WeightSync:
         staged = time.monotonic()
         apply_timeout = ws.timeout_s + g.request_timeout_s
         if g.rolling:
+            ok = []
             for i, gen in members:
                 if self.generators[i] is gen:  # not taken out meanwhile
-                    await self._member(i, gen, self._apply(i, gen, version, apply_timeout))
+                    ok.append(await self._member(i, gen, self._apply(i, gen, version, apply_timeout, verify)))
         else:
-            await asyncio.gather(*[self._member(i, gen, self._apply(i, gen, version, apply_timeout))
-                                   for i, gen in members])
+            ok = await asyncio.gather(*[self._member(i, gen, self._apply(i, gen, version, apply_timeout, verify))
+                                        for i, gen in members])
         done = time.monotonic()
         self.last = {"total_s": done - t0, "pack_s": packed - t0, "stage_s": staged - packed, "apply_s": done - staged}
+        if verify is not None:
+            self.last["verify_s"] = verify.seconds
+            if all(ok) and ok:
+                self.verified_pushes += 1
+                log.info("weight version %d verified bit for bit on %d generator(s): %d tensors each (%.3fs)",
+                         version, len(ok), verify.tensors, verify.seconds)
 
     async def _member(self, i: int, gen: Any, aw) -> bool:
         """One generator's part of a push: True if it succeeded; a failure takes the generator out
@@ -228,16 +260,55 @@ class WeightSync:
         except Exception as e:
             raise SyncError(f"generator{i}: staging weight version {version} over {self.kind} failed: {e}") from e
 
-    async def _apply(self, i: int, gen: Any, version: int, timeout_s: float) -> None:
+    async def _apply(self, i: int, gen: Any, version: int, timeout_s: float, verify: "_Verify | None") -> None:
         on_update = self.cfg.generator.on_update
+        corrupt = verify is not None and verify.corrupt_first
         try:
-            served = await _bounded(f"generator{i}.apply_weights({version})", gen.apply_weights.call_one(version, on_update),
-                                    timeout_s)
+            served = await _bounded(f"generator{i}.apply_weights({version})",
+                                    gen.apply_weights.call_one(version, on_update, corrupt), timeout_s)
         except SyncError:
             raise
         except Exception as e:
             raise SyncError(f"generator{i}: loading weight version {version} failed: {e}") from e
         if served != version:
             raise SyncError(f"generator{i} serves version {served} after apply_weights({version})")
+        if verify is not None:
+            await self._verify(i, gen, version, verify)
         if self.generators[i] is gen:
             self.served[i] = version
+
+    async def _verify(self, i: int, gen: Any, version: int, verify: "_Verify") -> None:
+        """Generator i's served weights against the trainer's packed snapshot of `version`."""
+        t0 = time.monotonic()
+        timeout_s = self.cfg.weight_sync.timeout_s
+        try:
+            ref = await _bounded(f"trainer.weight_checksums({version})", asyncio.shield(verify.reference), timeout_s)
+            tensors, parts = await _bounded(f"generator{i}.served_checksums()", gen.served_checksums.call_one(),
+                                            timeout_s)
+        except SyncError:
+            raise
+        except Exception as e:
+            raise SyncError(f"generator{i}: verifying weight version {version} failed: {e}") from e
+        reference = {k: Checksum.from_wire(v) for k, v in ref.items()}
+        try:
+            n = check(reference, ({k: Checksum.from_wire(v) for k, v in tensors.items()}, parts), i, version)
+        except VerifyError as e:
+            raise SyncError(str(e)) from e
+        verify.tensors, verify.seconds = n, max(verify.seconds, time.monotonic() - t0)
+
+
+class _Verify:
+    """One verified push: the trainer's reference checksums (a task, started with the push), whether
+    its apply corrupts first (the start-up check), and what the members' checks found."""
+
+    def __init__(self, reference: asyncio.Future, corrupt_first: bool) -> None:
+        self.reference, self.corrupt_first = reference, corrupt_first
+        self.tensors, self.seconds = 0, 0.0
+
+    def close(self) -> None:
+        """The push is over: stop computing the reference, or take its error (already reported by
+        every member that needed it)."""
+        if not self.reference.done():
+            self.reference.cancel()
+        elif not self.reference.cancelled():
+            self.reference.exception()
