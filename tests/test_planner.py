@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config import load_config, sync_mode_config
 from pipeline.sim import (CostFileError, UnmodelledConfig, costs_from_dict, load_costs, simulate,
                           workload_from_spec)
 from pipeline.sim.pipeline import sim_config
@@ -64,10 +64,12 @@ def test_unmodelled_config_and_unknown_lengths_are_errors_naming_the_key():
 
 
 def test_sync_mode_is_the_drivers_sync_config():
-    from pipeline.driver.job import sync_mode_config
-
-    cfg = _cfg("run.mode=sync")
-    assert sim_config(cfg) == sync_mode_config(cfg)
+    # carry_over=save is refused beside on_update=drain: sync mode must turn it off, not fail
+    cfg = _cfg("run.mode=sync", "generator.carry_over=save")
+    got = sim_config(cfg)
+    assert got == sync_mode_config(cfg) and got.generator.on_update == "drain"
+    assert got.generator.carry_over == "keep" and got.buffer.max_staleness == 0
+    assert sim_config(_cfg("run.mode=async")) == _cfg("run.mode=async")
 
 
 def test_sync_run_drops_nothing_and_async_overlaps_generation():

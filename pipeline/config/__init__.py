@@ -25,9 +25,9 @@ from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import LOG_LEVELS, RunConfig
 from pipeline.config.task import TaskConfig
 from pipeline.config.trainer import LORA_TARGETS, LoraConfig, TrainerConfig
-from pipeline.config.tree import Config
+from pipeline.config.tree import Config, sync_mode_config
 from pipeline.config.weight_sync import WeightSyncConfig
 
 __all__ = ["BufferConfig", "Config", "ConfigError", "GeneratorConfig", "LOG_LEVELS", "LORA_TARGETS", "LoraConfig",
            "ModelConfig", "REMOVED_KEYS", "RewardModelConfig", "RunConfig", "TaskConfig", "TinyModelConfig",
-           "TrainerConfig", "WeightSyncConfig", "flatten", "load_config"]
+           "TrainerConfig", "WeightSyncConfig", "flatten", "load_config", "sync_mode_config"]

@@ -11,6 +11,7 @@ pipeline/checkpoint.py prepare_resume).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pipeline.config.buffer import BufferConfig
@@ -96,3 +97,13 @@ class Config:
             check(r.allow_shared_devices or not both, "generator.devices", g.devices,
                   f"GPUs not in trainer.devices={t.devices!r} ({format_ids(both)} in both), "
                   "or run.allow_shared_devices=true")
+
+
+def sync_mode_config(cfg: Config) -> Config:
+    """The config a `run.mode=sync` run uses: the synchronous baseline, same components, no
+    over-commitment, strictly on-policy (Δ=0, max_staleness=0, on_update=drain; drain finishes every
+    request before the update, so nothing is carried over: carry_over=keep). The driver's Job and the
+    planner's simulator both apply this one function."""
+    return dataclasses.replace(
+        cfg, buffer=dataclasses.replace(cfg.buffer, overcommit="none", max_staleness=0),
+        generator=dataclasses.replace(cfg.generator, on_update="drain", carry_over="keep"))

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -21,7 +20,7 @@ from monarch.actor import this_host
 from actors.replay_buffer import ReplayBufferActor
 from actors.trainer import Trainer
 from pipeline.checkpoint import Checkpoints
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, sync_mode_config
 from pipeline.driver.calls import RunError, call_within
 from pipeline.driver.evaluation import Evaluation
 from pipeline.driver.fleet import Fleet
@@ -36,13 +35,6 @@ from pipeline.tokens import PromptError, SpecialTokens, encode_prompt, load_toke
 from pipeline.weightsync.sync import WeightSync
 
 log = logging.getLogger(__name__)
-
-
-def sync_mode_config(cfg: Config) -> Config:
-    """The synchronous baseline: same components, no over-commitment, strictly on-policy."""
-    return dataclasses.replace(
-        cfg, buffer=dataclasses.replace(cfg.buffer, overcommit="none", max_staleness=0),
-        generator=dataclasses.replace(cfg.generator, on_update="drain"))
 
 
 class Job:

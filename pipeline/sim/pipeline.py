@@ -24,14 +24,13 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import random
 from itertools import count
 
 from pipeline.buffer import ReplayBufferCore
-from pipeline.config import Config
+from pipeline.config import Config, sync_mode_config
 from pipeline.sim.costs import Costs
 from pipeline.sim.generator import SimGenerator, SimSample
 from pipeline.sim.report import SimResult, StepRow
@@ -61,13 +60,8 @@ def check_modelled(cfg: Config) -> None:
 
 
 def sim_config(cfg: Config) -> Config:
-    """The config the run uses: run.mode=sync applies pipeline.driver.job.sync_mode_config's changes
-    (Δ=0, max_staleness=0, on_update=drain; tests/test_planner.py checks the two agree)."""
-    if cfg.run.mode != "sync":
-        return cfg
-    return dataclasses.replace(
-        cfg, buffer=dataclasses.replace(cfg.buffer, overcommit="none", max_staleness=0),
-        generator=dataclasses.replace(cfg.generator, on_update="drain"))
+    """The config the run uses: run.mode=sync applies pipeline.config.sync_mode_config, as the driver does."""
+    return sync_mode_config(cfg) if cfg.run.mode == "sync" else cfg
 
 
 class _Push:
