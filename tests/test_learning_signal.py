@@ -141,7 +141,7 @@ def test_a_run_without_signal_warns_and_stops_early_with_its_exit_code(tmp_path)
     clean way: a final eval, the last checkpoint, the HF export, summary.json with `ended`, exit 3."""
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", f"task.name={__name__}",
-                        "run.steps=40", "run.no_signal_patience=2", "run.stop_without_signal=3", "run.eval_every=100",
+                        "run.steps=40", "run.warm_start_steps=auto", "run.no_signal_patience=2", "run.stop_without_signal=3", "run.eval_every=100",
                         "task.eval_prompts=8", "run.checkpoint_every=2", "run.progress=false", "buffer.batch_groups=2",
                         "buffer.group_size=2", "generator.concurrency=4", "generator.max_new_tokens=6",
                         f"run.out_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -150,8 +150,29 @@ def test_a_run_without_signal_warns_and_stops_early_with_its_exit_code(tmp_path)
     assert "pre-flight: held-out pass@2 = 0.00, mean reward 0.000, 0.00 of groups" in p.stderr
     assert "== done: 3 steps" in p.stdout and "stopped early, exit code 3: step 3: stopping early" in p.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ended"] == "no_signal" and summary["steps"] == 3 and summary["warm_start"] is None
+    assert summary["ended"] == "no_signal" and summary["steps"] == 3
+    assert summary["warm_start"]["steps"] == 0 and "has no demonstration()" in summary["warm_start"]["reason"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["signal/flat_share"] for r in rows if "signal/flat_share" in r] == [1.0, 1.0, 1.0]
     assert [r["step"] for r in rows if "eval/reward" in r] == [0, 3]  # step 0 and the final model
     assert (out / "checkpoints" / "step_2").is_dir() and (out / "hf_checkpoint" / "config.json").is_file()
+
+
+def test_auto_warm_start_stops_on_its_rule_and_the_generators_serve_its_weights(tmp_path):
+    """run.warm_start_steps=auto on `reverse`: chunks of 5 steps, each followed by a held-out probe
+    of groups of 4 on the generators, which reload each chunk's export (under version 0). It stops
+    on a stated reason at a chunk boundary; the probes move with the weights (the reload took)."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=1",
+                        "run.warm_start_steps=auto", "run.warm_start_chunk=5", "run.warm_start_max_steps=20",
+                        "run.eval_every=1", "task.eval_prompts=16", "run.checkpoint_every=0", "run.progress=false",
+                        "buffer.batch_groups=2", "buffer.group_size=4", "generator.concurrency=8",
+                        f"run.out_dir={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    warm = json.loads((out / "summary.json").read_text())["warm_start"]
+    assert warm["mode"] == "auto" and warm["steps"] in (0, 5, 10, 15, 20) and warm["reason"], warm
+    assert f"warm start (auto): {warm['steps']} supervised steps" in p.stdout and warm["reason"] in p.stdout
+    if warm["steps"]:
+        assert warm["after"]["mean_reward"] > warm["before"]["mean_reward"] + 0.02, warm
+    row = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "preflight/spread_share" in line)
+    assert row["warm_start/steps"] == warm["steps"] and row["preflight/spread_share"] == warm["after"]["spread"]

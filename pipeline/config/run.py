@@ -39,7 +39,7 @@ class RunConfig:
     """'auto': the most warm-start steps (1..10^6)."""
     warm_start_chunk: int = 10
     """'auto': supervised steps between two held-out probes (1..10^6)."""
-    warm_start_signal: float = 0.5
+    warm_start_signal: float = 0.8
     """'auto': stop once this share of held-out groups (task.eval_prompts prompts, buffer.group_size
     samples each at generator.temperature, as RL samples them) has a reward spread (0 < x <= 1)."""
     warm_start_pass_min: float = 0.1
