@@ -254,19 +254,26 @@ class Engine:
     async def _start_lora(self, hf_dir, version: int) -> None:
         """A tmpfs directory for this engine's adapters (mrl-lora-<pid>-*, swept once the pid is gone),
         and the adapter a started-from export carries (the warm start's, or the latest on a restart)."""
-        from vllm.lora.request import LoRARequest
-
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.lora_dir = tempfile.mkdtemp(prefix=f"mrl-lora-{os.getpid()}-", dir=root)
-        start = os.path.join(str(hf_dir), "adapter")
-        if os.path.isfile(os.path.join(start, "adapter_config.json")):
-            # a copy of our own: the export may be removed (a restart's is), and vLLM reloads an
-            # adapter from its path after evicting it from its cache
-            own = shutil.copytree(start, os.path.join(self.lora_dir, f"v{version}"))
-            req = LoRARequest(f"v{version}", version + 1, own)
-            if not await self.llm.add_lora(req):
-                raise GeneratorBroken(f"generator {self.gid}: vLLM refused the starting adapter in {start}")
-            self.lora_request = req
+        if os.path.isfile(os.path.join(str(hf_dir), "adapter", "adapter_config.json")):
+            await self._serve_adapter(hf_dir, f"v{version}", version + 1)
+
+    async def _serve_adapter(self, hf_dir, name: str, int_id: int) -> None:
+        """The adapter an export carries (`hf_dir`/adapter) becomes the served one; the one it
+        replaces leaves the engine (its directory goes at the next update)."""
+        from vllm.lora.request import LoRARequest
+
+        # a copy of our own: the export may be removed (a restart's is), and vLLM reloads an
+        # adapter from its path after evicting it from its cache
+        own = shutil.copytree(os.path.join(str(hf_dir), "adapter"), os.path.join(self.lora_dir, name))
+        req = LoRARequest(name, int_id, own)
+        if not await self.control(self.llm.add_lora(req), "add_lora"):
+            raise GeneratorBroken(f"generator {self.gid}: vLLM refused the adapter in {own}")
+        prev, self.lora_request = self.lora_request, req
+        if prev is not None:
+            await self.control(self.llm.remove_lora(prev.lora_int_id), "remove_lora")
+            self._lora_old.append(prev.lora_path)
 
     def lora_kw(self) -> dict:
         """What a request carries with trainer.lora: the served version's adapter (none at version 0
@@ -289,22 +296,11 @@ class Engine:
         layers too; vLLM's own reload_weights leaves a tied lm_head stale). With trainer.lora the
         export's adapter becomes the served one (ids from WARM_LORA_ID up, clear of the versions'
         version + 1). The caller holds generation (no stage)."""
-        if not self.cfg.trainer.lora.rank:
+        if self.cfg.trainer.lora.rank:
+            self._reloads += 1
+            await self._serve_adapter(hf_dir, f"warm{self._reloads}", WARM_LORA_ID + self._reloads)
+        else:
             await load_export(self.llm, hf_dir, version, timeout_s)
-            return
-        from vllm.lora.request import LoRARequest
-
-        self._reloads += 1
-        name = f"warm{self._reloads}"
-        own = shutil.copytree(os.path.join(str(hf_dir), "adapter"), os.path.join(self.lora_dir, name))
-        req = LoRARequest(name, WARM_LORA_ID + self._reloads, own)
-        if not await self.control(self.llm.add_lora(req), "add_lora", timeout_s, "weight_sync.timeout_s"):
-            raise GeneratorBroken(f"generator {self.gid}: vLLM refused the adapter in {own}")
-        prev, self.lora_request = self.lora_request, req
-        if prev is not None:
-            await self.control(self.llm.remove_lora(prev.lora_int_id), "remove_lora")
-            if prev.lora_path.startswith(self.lora_dir):
-                self._lora_old.append(prev.lora_path)
 
     async def stop(self) -> None:
         if self.llm is not None:
