@@ -22,8 +22,9 @@ from typing import Any
 NONE_SOLVED_KNOBS = ("a longer warm start (run.warm_start_steps=auto with a higher run.warm_start_max_steps, "
                      "or more steps), a higher generator.temperature, a larger buffer.group_size (more tries per "
                      "prompt), or easier prompts")
-ALL_SOLVED_KNOBS = ("harder prompts, or buffer.zero_signal=drop (groups without a spread are dropped and "
-                    "replaced); a shorter warm start if the demonstrations taught the answers")
+ALL_SOLVED_KNOBS = ("harder prompts (the difficulty filter, buffer.set_aside_samples, sets solved ones aside "
+                    "for a while, but cannot make new ones), or buffer.zero_signal=drop (groups without a spread "
+                    "are dropped and replaced); a shorter warm start if the demonstrations taught the answers")
 COLLAPSE_KNOBS = ("trainer.entropy_target (adaptive entropy bonus), trainer.kl_coef up, trainer.lr down, "
                   "a higher generator.temperature")
 
