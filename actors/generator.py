@@ -180,6 +180,12 @@ class GeneratorActor(Actor):
         return {k: v.to_wire() for k, v in tensors.items()}, parts
 
     @endpoint
+    async def reload_weights(self, hf_dir: str) -> None:
+        """Serve the HF export in `hf_dir` (the trainer's, this model's shape) in place, before any
+        stage began, under the same version: the auto warm start's chunks (pipeline/driver/warm_start.py)."""
+        await self.core.reload(hf_dir, self.cfg.weight_sync.timeout_s)
+
+    @endpoint
     async def version(self) -> int:
         self.core.check()
         return self.core.version

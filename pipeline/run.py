@@ -5,7 +5,9 @@ Under torchrun every rank joins one Monarch job and rank 0 drives it, on one hos
 (`torchrun --nproc-per-node K -m pipeline.run ...`) or several (one launcher per node with
 `--nnodes N --node-rank R --master-addr A --master-port P`; see pipeline/driver/torchrun.py).
 Exit codes: 0 done (run.steps, or the end of data with run.epochs), 2 bad config, arguments or task
-(one that does not load, an empty train split, a bad data file), 1 the run failed; stopped by a
+(one that does not load, an empty train split, a bad data file), 1 the run failed, 3 the run stopped
+early without a learning signal (run.stop_without_signal; its summary and checkpoint are written as
+at a normal end); stopped by a
 signal, once its shutdown has run: 130 SIGINT, 143 SIGTERM, 129 SIGHUP (128 + signum, also after a
 second signal or a shutdown past its grace period, which kill the run's process tree instead; see
 pipeline/cleanup.py).
@@ -36,6 +38,9 @@ log = logging.getLogger("pipeline")
 GRACE_S = 120.0
 TORCHRUN_GRACE_S = 25.0
 
+NO_SIGNAL_EXIT = 3
+"""Exit code of a run that run.stop_without_signal ended early (summary["ended"] == "no_signal")."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m pipeline.run", description="Asynchronous RL post-training job.")
@@ -56,9 +61,20 @@ def print_summary(cfg: Config, summary: dict) -> None:
         print(f"   difficulty filter: {buf['prompts_set_aside']} times a prompt was set aside (its groups kept one "
               f"reward), {buf['prompts_retried']} retries, {buf['prompts_aside']} set aside at the end; "
               f"{buf['groups_with_signal']} of {buf['groups_observed']} groups had a reward spread")
-    if cfg.run.warm_start_steps:
-        print(f"   warm start: {cfg.run.warm_start_steps} supervised steps on task demonstrations before RL "
+    if summary.get("ended") == "no_signal":
+        print(f"   stopped early, exit code {NO_SIGNAL_EXIT}: {summary['no_signal']}")
+    warm = summary.get("warm_start")
+    if warm and warm["mode"] == "fixed":
+        print(f"   warm start: {warm['steps']} supervised steps on task demonstrations before RL "
               f"(held-out rewards below are measured after it)")
+    elif warm:
+        after = warm.get("after") or {}
+        print(f"   warm start (auto): {warm['steps']} supervised steps on task demonstrations before RL, stopped: "
+              f"{warm['reason']}" + (f"; held-out sampled reward {warm['before']['mean_reward']:.3f} -> "
+                                     f"{after['mean_reward']:.3f}" if after.get("prompts") else "")
+              + " (the held-out rewards below are measured after it)")
+    if summary.get("preflight"):
+        print(f"   {summary['preflight']}")
     if curve:
         print(f"   held-out reward (sampled): {curve[0][1]:.3f} (step {curve[0][0]}) -> {curve[-1][1]:.3f} "
               f"(step {curve[-1][0]}); greedy: {curve[0][2]:.3f} -> {curve[-1][2]:.3f}")
@@ -71,13 +87,15 @@ def print_summary(cfg: Config, summary: dict) -> None:
     print(f"   HF checkpoint: {summary.get('checkpoint')}")
 
 
-def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S) -> None:
-    """Run the job from this process on `host` (a host mesh; None: this host) and print its summary.
-    SIGINT, SIGTERM or SIGHUP stop it through the controller's shutdown (cleanup.run_until_signalled)."""
+def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S) -> int:
+    """Run the job from this process on `host` (a host mesh; None: this host), print its summary and
+    return its exit code (0, or NO_SIGNAL_EXIT). SIGINT, SIGTERM or SIGHUP stop it through the
+    controller's shutdown (cleanup.run_until_signalled)."""
     from pipeline.driver.loop import run
 
     summary = cleanup.run_until_signalled(run(cfg, host=host), grace_s)
     print_summary(cfg, summary)
+    return NO_SIGNAL_EXIT if summary.get("ended") == "no_signal" else 0
 
 
 def launch(cfg: Config) -> int:
@@ -92,8 +110,7 @@ def launch(cfg: Config) -> int:
         from pipeline.driver.torchrun import run_under_torchrun
 
         return run_under_torchrun(cfg, functools.partial(drive, cfg, grace_s=TORCHRUN_GRACE_S))
-    drive(cfg)
-    return 0
+    return drive(cfg)
 
 
 def loopback_only() -> None:

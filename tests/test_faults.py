@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from pipeline.buffer import ReplayBufferCore
-from pipeline.config import BufferConfig, Config, ModelConfig, TaskConfig, TrainerConfig
+from pipeline.config import BufferConfig, Config, ModelConfig, RunConfig, TaskConfig, TrainerConfig
 from pipeline.generator.rewards import REJECT_MIN_SAMPLES, REJECT_WINDOW, RewardScorer, RolloutStats, reject_rate_problem
 from pipeline.tasks import RewardRejected, Task, check_reward
 from pipeline.trainer.errors import (EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError, TooManySkippedSteps,
@@ -317,7 +317,8 @@ def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_act
 
     cfg = Config(model=ModelConfig(), buffer=BufferConfig(group_size=2, batch_groups=1, max_staleness=0,
                                                           overcommit="none"),
-                 trainer=TrainerConfig(max_skipped_steps=2, init_timeout_s=120))
+                 trainer=TrainerConfig(max_skipped_steps=2, init_timeout_s=120),
+                 run=RunConfig(warm_start_steps=0))  # RL from the initial weights, as before 'auto'
     pipe = Job(cfg)
     steps = TrainLoop(pipe, SyncPublish(pipe), Hooks([]))
 
@@ -460,7 +461,7 @@ def test_supervisor_restarts_a_slot_once_per_incarnation_and_drops_stale_reports
     (the same algorithm for a generator and the reward model, here with a stand-in for the wiring,
     which needs real meshes); repeated and stale reports (an older incarnation, as a late Monarch
     fault of a replaced mesh) start nothing; past the budget the run ends naming the key."""
-    from pipeline.config import GeneratorConfig, RunConfig
+    from pipeline.config import GeneratorConfig
     from pipeline.driver.calls import RunError
     from pipeline.driver.fleet import Fleet
     from pipeline.driver.supervisor import Supervisor

@@ -18,7 +18,8 @@ from pipeline import procs
 
 from .conftest import REPO
 
-SMALL = ["run.steps=3", "run.eval_every=0", "run.progress=false", "buffer.batch_groups=2", "buffer.group_size=2",
+SMALL = ["run.steps=3", "run.eval_every=0", "run.progress=false", "run.warm_start_steps=15",  # a fixed count
+         "buffer.batch_groups=2", "buffer.group_size=2",
          "generator.concurrency=4", "generator.max_new_tokens=6", "buffer.max_staleness=1"]
 
 

@@ -282,7 +282,7 @@ def test_cli_run_scores_with_the_reward_model_and_survives_its_sigkill(scorer_di
     the supervisor restarts it, scores in flight wait for the new one, and the run completes."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=14", "run.eval_every=0",
-           f"run.out_dir={out}", f"reward_model.path={scorer_dir}", "reward_model.chunk_tokens=4",
+           "run.warm_start_steps=15", f"run.out_dir={out}", f"reward_model.path={scorer_dir}", "reward_model.chunk_tokens=4",
            "reward_model.task_weight=0.5", "run.progress=false"]
     log = open(tmp_path / "log.txt", "w")
     p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

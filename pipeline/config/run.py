@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Union
 
 from pipeline.config.errors import check, choice
 
@@ -27,8 +28,29 @@ class RunConfig:
     """Global seed."""
     out_dir: str = "outputs/run"
     """Metrics (JSONL, TensorBoard), plots and the final HF checkpoint go here."""
-    warm_start_steps: int = 0
-    """Supervised warm-start steps on task demonstrations before RL (reported as such), 0 disables."""
+    warm_start_steps: Union[int, str] = "auto"
+    """Supervised warm-start steps on task demonstrations before RL (reported as such): an integer
+    runs that many (0 disables); 'auto' (pipeline/driver/warm_start.py) runs them in chunks of
+    run.warm_start_chunk and stops once RL can take over, as the held-out probe after each chunk says
+    (run.warm_start_signal, run.warm_start_pass_min/max), or once the demonstration loss stops falling
+    (run.warm_start_min_loss_drop), at run.warm_start_max_steps at most; no steps for a task without
+    `demonstration()`. A resumed run never warm-starts again."""
+    warm_start_max_steps: int = 200
+    """'auto': the most warm-start steps (1..10^6)."""
+    warm_start_chunk: int = 10
+    """'auto': supervised steps between two held-out probes (1..10^6)."""
+    warm_start_signal: float = 0.8
+    """'auto': stop once this share of held-out groups (task.eval_prompts prompts, buffer.group_size
+    samples each at generator.temperature, as RL samples them) has a reward spread (0 < x <= 1)."""
+    warm_start_pass_min: float = 0.1
+    """'auto', a 0/1 reward (every probe reward 0 or 1): the held-out pass rate must also be at least
+    this ... (0..1)"""
+    warm_start_pass_max: float = 0.9
+    """... and at most this; above it the warm start stops too (more demonstrations would only
+    take the spread away) (warm_start_pass_min..1)."""
+    warm_start_min_loss_drop: float = 0.03
+    """'auto': stop once a chunk's mean demonstration loss is less than this fraction below the
+    previous chunk's (the loss stopped falling; 0..1, 0: never for this reason)."""
     warm_start_lr: float = 0.0
     """Learning rate of the warm-start steps (0: trainer.lr). Supervised steps on demonstrations take
     a larger rate than RL steps on the policy's own samples."""
@@ -58,6 +80,15 @@ class RunConfig:
     """... or the mean response length (tokens, EOS included) under this ... (0 disables)."""
     collapse_patience: int = 20
     """... for this many steps in a row logs a warning naming the knobs to turn (>= 1)."""
+    no_signal_share: float = 0.9
+    """Zero-signal alarm (pipeline/driver/signal.py): a step counts as without signal when at least
+    this share of the groups that finished in it had no reward spread (0 < x <= 1) ..."""
+    no_signal_patience: int = 20
+    """... and after this many such steps in a row the run warns once, with the numbers and the knobs
+    to turn (>= 1) ..."""
+    stop_without_signal: int = 100
+    """... and after this many in a row it stops early (a final eval, the summary, exit code 3; see
+    docs/faults-and-checkpoints.md). 0: never stops for it (>= 0)."""
     resume: str = ""
     """Continue from a checkpoint (its step + 1 up to run.steps): 'latest' (the newest complete one
     under out_dir/checkpoints) or a step_N directory, resolved and checked at start-up
@@ -72,7 +103,20 @@ class RunConfig:
         choice("run.mode", self.mode, ("async", "sync"))
         check(0 <= self.steps <= 10_000_000, "run.steps", self.steps, "0..10000000")
         check(0 <= self.epochs <= 1_000_000, "run.epochs", self.epochs, "0..1000000 (0: unbounded)")
-        check(self.warm_start_steps >= 0, "run.warm_start_steps", self.warm_start_steps, ">= 0")
+        check(self.warm_start_steps == "auto" or (isinstance(self.warm_start_steps, int) and self.warm_start_steps >= 0),
+              "run.warm_start_steps", self.warm_start_steps, "an integer >= 0 (0: none) or 'auto'")
+        check(1 <= self.warm_start_max_steps <= 1_000_000, "run.warm_start_max_steps", self.warm_start_max_steps,
+              "1..1000000")
+        check(1 <= self.warm_start_chunk <= 1_000_000, "run.warm_start_chunk", self.warm_start_chunk, "1..1000000")
+        check(0 < self.warm_start_signal <= 1, "run.warm_start_signal", self.warm_start_signal, "0 < x <= 1")
+        check(0 <= self.warm_start_pass_min <= 1, "run.warm_start_pass_min", self.warm_start_pass_min, "0..1")
+        check(self.warm_start_pass_min <= self.warm_start_pass_max <= 1, "run.warm_start_pass_max",
+              self.warm_start_pass_max, f"run.warm_start_pass_min ({self.warm_start_pass_min})..1")
+        check(0 <= self.warm_start_min_loss_drop < 1, "run.warm_start_min_loss_drop", self.warm_start_min_loss_drop,
+              "0 <= x < 1 (0: the loss never stops the warm start)")
+        check(0 < self.no_signal_share <= 1, "run.no_signal_share", self.no_signal_share, "0 < x <= 1")
+        check(self.no_signal_patience >= 1, "run.no_signal_patience", self.no_signal_patience, ">= 1")
+        check(self.stop_without_signal >= 0, "run.stop_without_signal", self.stop_without_signal, ">= 0 (0: off)")
         check(0 <= self.warm_start_lr <= 1, "run.warm_start_lr", self.warm_start_lr, "0 (trainer.lr) .. 1")
         check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
         check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, ">= 0")

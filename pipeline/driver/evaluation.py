@@ -3,6 +3,7 @@
     ev = Evaluation(cfg, task, fleet, report=supervisor.report)
     metrics = await ev.evaluate()     # eval/reward, eval/reward_greedy, eval/pass@k, eval/mean@k,
                                       # eval/skipped_prompts, eval/rejected/*
+    rewards = await ev.probe(8)       # per held-out prompt, the rewards of 8 samples (one RL group's worth)
     pass_at_k(n=10, c=3, k=4)         # 1 - C(7, 4)/C(10, 4) = 0.8333...
 """
 
@@ -65,29 +66,59 @@ class Evaluation:
 
     async def evaluate(self) -> dict[str, float]:
         cfg = self.cfg
-        items = take(self.task, cfg.task.seed, "eval", cfg.task.eval_prompts)
-        prompts, samples = [i.prompt for i in items], cfg.task.eval_samples
-        n = cfg.generator.max_new_tokens
+        items = self.items()
+        greedy, sampled = await self._on_a_generator(lambda gen: self._greedy_and_sampled(gen, items))
+        rejected: Counter = Counter()
+        sampled_r = await self._score(items * cfg.task.eval_samples, sampled, rejected)
+        greedy_r = await self._score(items, greedy, rejected)
+        per_prompt = [[r for r in sampled_r[i::len(items)] if r is not None] for i in range(len(items))]
+        out = {"eval/reward": _mean(sampled_r), "eval/reward_greedy": _mean(greedy_r),
+               "eval/skipped_prompts": float(sum(o is None for o in greedy))} | at_k(per_prompt, cfg.task.eval_k)
+        return out | {f"eval/rejected/{k}": float(v) for k, v in sorted(rejected.items())}
+
+    async def probe(self, samples: int) -> list[list[float]]:
+        """Per held-out prompt, the usable rewards of `samples` completions sampled at the training
+        temperature (no greedy pass): what a group of that size would get in RL. The warm start's
+        stopping rule and the pre-flight line read it (pipeline/driver/learning_signal.py)."""
+        items = self.items()
+        outs = await self._on_a_generator(lambda gen: call_within("generate_eval", gen.generate_eval.call_one(
+            items * samples, self.cfg.generator.max_new_tokens, self.cfg.generator.temperature, self.cfg.task.seed)))
+        rewards = await self._score(items * samples, outs, Counter())
+        return [[r for r in rewards[i::len(items)] if r is not None] for i in range(len(items))]
+
+    def items(self) -> list:
+        """The held-out prompts: the first task.eval_prompts of the eval split (may be empty)."""
+        return take(self.task, self.cfg.task.seed, "eval", self.cfg.task.eval_prompts)
+
+    async def _greedy_and_sampled(self, gen: Any, items: list) -> tuple[list, list]:
+        # the items, not just their prompts: a multi-turn task's environment gets them as in training
+        n, cfg = self.cfg.generator.max_new_tokens, self.cfg
+        greedy = await call_within("generate_eval", gen.generate_eval.call_one(items, n))
+        sampled = await call_within("generate_eval", gen.generate_eval.call_one(
+            items * cfg.task.eval_samples, n, cfg.generator.temperature, cfg.task.seed))
+        return greedy, sampled
+
+    async def _on_a_generator(self, work: Callable[[Any], Any]) -> Any:
+        """`work(handle)` on the first live generator; one that fails is reported and the next tried."""
         live = self.fleet.live_generators()
         for k, (i, slot) in enumerate(live):  # a generator dying meanwhile: the next
-            gen = slot.handle
-            try:  # the items, not just their prompts: a multi-turn task's environment gets them as in training
-                greedy = await call_within("generate_eval", gen.generate_eval.call_one(items, n))
-                sampled = await call_within("generate_eval", gen.generate_eval.call_one(
-                    items * samples, n, cfg.generator.temperature, cfg.task.seed))
-                break
+            try:
+                return await work(slot.handle)
             except Exception as e:
                 if k == len(live) - 1:
                     raise
                 log.warning("eval on generator%d failed (%s); trying the next", i, e)
                 self.report(i, e)
-        else:
-            raise RunError("evaluate: no generator is serving (all are being restarted)")
-        scorer = RewardScorer(self.task, cfg.task.reward_timeout_s, cfg.task.reward_workers)
-        rejected: Counter = Counter()
+        raise RunError("evaluate: no generator is serving (all are being restarted)")
 
-        async def one(prompt: str, completion: str | None) -> float | None:  # None: skipped or rejected
-            if completion is None:  # the generator could not serve the prompt
+    async def _score(self, items: list, outs: list, rejected: Counter) -> list[float | None]:
+        """Each completion's reward by the task; None for one the generator could not serve (None)
+        or whose reward cannot be used (counted in `rejected` by reason)."""
+        cfg = self.cfg
+        scorer = RewardScorer(self.task, cfg.task.reward_timeout_s, cfg.task.reward_workers)
+
+        async def one(prompt: Any, completion: str | None) -> float | None:
+            if completion is None:
                 return None
             try:
                 return await scorer.score(prompt, completion)
@@ -95,15 +126,9 @@ class Evaluation:
                 rejected[e.reason] += 1
                 return None
 
-        async def score(outs: list) -> list[float | None]:
-            return await asyncio.gather(*(one(p, o) for p, o in zip(prompts * samples, outs)))
+        return list(await asyncio.gather(*(one(it.prompt, o) for it, o in zip(items, outs))))
 
-        def mean(rewards: list[float | None]) -> float:
-            ok = [r for r in rewards if r is not None]
-            return sum(ok) / len(ok) if ok else float("nan")
 
-        sampled_r, greedy_r = await score(sampled), await score(greedy)
-        per_prompt = [[r for r in sampled_r[i::len(items)] if r is not None] for i in range(len(items))]
-        out = {"eval/reward": mean(sampled_r), "eval/reward_greedy": mean(greedy_r),
-               "eval/skipped_prompts": float(sum(o is None for o in greedy))} | at_k(per_prompt, cfg.task.eval_k)
-        return out | {f"eval/rejected/{k}": float(v) for k, v in sorted(rejected.items())}
+def _mean(rewards: list[float | None]) -> float:
+    ok = [r for r in rewards if r is not None]
+    return sum(ok) / len(ok) if ok else float("nan")

@@ -4,7 +4,8 @@ are off are null objects, so the loop has no `if enabled` branches.
     hooks = step_hooks(job, sink, progress, checkpointing, first_step)
     await hooks.start(first_step)                # eval at step 0 (a fresh run)
     await hooks.after_step(step, metrics, batch) # measure -> eval -> checkpoint -> rollout log -> record
-    summary = await hooks.finish(last, ended)    # final eval at an end of data; the summary's fields
+    hooks.stopping()                             # 'no_signal' once a hook ends the run early, else None
+    summary = await hooks.finish(last, ended)    # final eval at an early end; the summary's fields
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import Counter
 from typing import Any
 
 from pipeline.driver.health import CollapseWatch
+from pipeline.driver.learning_signal import Probe, SignalWatch, StepSignal, preflight
 from pipeline.driver.metrics import trained_samples
 from pipeline.types import Batch
 
@@ -24,7 +26,10 @@ log = logging.getLogger(__name__)
 
 class Hook:
     """The null hook: every phase does nothing. `after_step` may add entries to `metrics`, which
-    the Record hook (last) writes."""
+    the Record hook (last) writes, and may set `stop` (how the run ended, e.g. 'no_signal'): the
+    loop ends after that step, every hook having seen it."""
+
+    stop: str | None = None
 
     async def start(self, first_step: int) -> None:
         pass
@@ -112,10 +117,61 @@ class Eval(Hook):
 
     async def finish(self, last: int, ended: str) -> dict:
         curve = self.job.eval_curve
-        if ended == "data" and last >= self.first_step and not (curve and curve[-1][0] == last):
-            # the final model (the loop evaluates at run.steps, which end of data comes before): its own row
+        if ended != "steps" and last >= self.first_step and not (curve and curve[-1][0] == last):
+            # the final model (the loop evaluates at run.steps, which an end of data or an early stop
+            # comes before): its own row
             self.sink.log(last, await self._eval(last))
         return {}
+
+
+class SignalAlarm(Hook):
+    """The pre-flight line and the zero-signal alarm (pipeline/driver/learning_signal.py).
+
+    start (a fresh run with held-out prompts, after the step-0 eval): the held-out probe of groups of
+    buffer.group_size (the auto warm start's last one, else one now), its line logged (a warning when
+    most groups would carry no signal) and its figures written as step 0's `preflight/*` (with the
+    warm start's `warm_start/*`). after_step: the step's share of groups without a reward spread
+    (`signal/flat_share`) feeds SignalWatch, which warns once after run.no_signal_patience steps
+    in a row and sets `stop` ('no_signal') after run.stop_without_signal."""
+
+    def __init__(self, job: Any, sink: Any):
+        run = job.cfg.run
+        self.job, self.sink = job, sink
+        self.watch = SignalWatch(run.no_signal_share, run.no_signal_patience, run.stop_without_signal)
+        self.dropped: float | None = None  # the buffer's zero-signal drops at the previous step
+        self.preflight: str | None = None
+        self.stopped: str | None = None
+
+    async def start(self, first_step: int) -> None:
+        job, g = self.job, self.job.cfg.buffer.group_size
+        if first_step != 1 or g < 2 or not (job.cfg.run.eval_every and job.cfg.task.eval_prompts):
+            return
+        warm = job.warm
+        probe = warm.after if warm is not None and warm.after is not None else Probe.of(await job.evaluation.probe(g), g)
+        self.preflight, bad = preflight(probe)
+        (log.warning if bad else log.info)(self.preflight)
+        self.sink.log(0, probe.metrics("preflight") | (warm.metrics() if warm is not None else {}))
+
+    async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
+        groups: dict[int, list[float]] = {}
+        for gid, r in zip(batch.group_ids, batch.rewards.tolist()):
+            groups.setdefault(gid, []).append(r)
+        dropped = metrics.get("buffer/zero_signal_dropped", 0.0)
+        new_drops = int(dropped - self.dropped) if self.dropped is not None else 0
+        self.dropped = dropped
+        sig = StepSignal.of(metrics, [rs[0] for rs in groups.values() if max(rs) - min(rs) <= 1e-9], len(groups),
+                            new_drops, float((batch.rewards >= 1.0).float().mean()))
+        metrics["signal/flat_share"] = sig.flat_share
+        event = self.watch.update(step, sig)
+        if event is not None:
+            log.warning(event[1])
+            if event[0] == "stop":
+                self.stop, self.stopped = "no_signal", event[1]
+
+    async def finish(self, last: int, ended: str) -> dict:
+        warm = self.job.warm
+        return {"preflight": self.preflight, "no_signal": self.stopped, "signal_watch": self.watch.summary(),
+                "warm_start": warm.summary() if warm is not None else None}
 
 
 class Checkpoint(Hook):
@@ -178,13 +234,19 @@ class Hooks:
             out |= await h.finish(last, ended)
         return out
 
+    def stopping(self) -> str | None:
+        """How the run is to end now (the first hook's `stop`), or None to go on."""
+        return next((h.stop for h in self.hooks if h.stop is not None), None)
+
 
 def step_hooks(job: Any, sink: Any, progress: Any, checkpointing: Any, first_step: int) -> Hooks:
-    """The job's hooks as configured: eval (run.eval_every with task.eval_prompts), checkpoints
-    (run.checkpoint_every), the rollout log (run.log_rollouts), each a null Hook when off."""
+    """The job's hooks as configured: the pre-flight line and zero-signal alarm (always), eval
+    (run.eval_every with task.eval_prompts), checkpoints (run.checkpoint_every), the rollout log
+    (run.log_rollouts), each a null Hook when off."""
     run = job.cfg.run
     return Hooks([
         Measure(job),
+        SignalAlarm(job, sink),
         Eval(job, sink, first_step) if run.eval_every and job.cfg.task.eval_prompts else Hook(),
         Checkpoint(checkpointing, run.checkpoint_every) if run.checkpoint_every else Hook(),
         RolloutLog(job, sink, run.log_rollouts) if run.log_rollouts else Hook(),
@@ -232,5 +294,7 @@ def buffer_metrics(buf: dict) -> dict[str, float]:
     (every mode reports them)."""
     return {"buffer/delta": float(buf["delta"]), "buffer/dropped_samples": float(buf["dropped_samples"]),
             "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"]),
-            "buffer/zero_signal_groups": float(buf["zero_signal_groups"]), "data/epoch": float(buf["data_epoch"]),
+            "buffer/zero_signal_groups": float(buf["zero_signal_groups"]),
+            "buffer/zero_signal_dropped": float(buf["dropped_groups"].get("zero_signal", 0)),
+            "data/epoch": float(buf["data_epoch"]),
             **{f"buffer/{k}": float("nan") if buf[k] is None else float(buf[k]) for k in DIFFICULTY_METRICS}}

@@ -1,7 +1,8 @@
 """Job: the roles of one run, built together, started together and stopped together.
 
     job = Job(cfg)                       # nothing starts yet; a bad task or reward model is a ConfigError
-    await job.start()                    # trainer, warm start, buffer, reward model, generators, weight sync
+    await job.start()                    # trainer, warm start (a count), buffer, reward model, generators,
+                                         # weight sync, warm start (auto: probes on the generators)
     await job.start_generation()
     ...                                  # TrainLoop(job, ...).step(), job.evaluation.evaluate(), ...
     await shut_down(job)                 # pipeline/driver/shutdown.py
@@ -26,7 +27,7 @@ from pipeline.driver.evaluation import Evaluation
 from pipeline.driver.fleet import Fleet
 from pipeline.driver.rewiring import RestartWiring
 from pipeline.driver.supervisor import Supervisor
-from pipeline.driver.warm_start import warm_start
+from pipeline.driver.warm_start import WarmReport, auto_warm_start, warm_start
 from pipeline.model import model_dir
 from pipeline.placement import describe, generator_placements
 from pipeline.reward_model import check_tokenizer
@@ -44,8 +45,10 @@ class Job:
     Contract: construction checks what can be checked before any mesh starts (the task, the reward
     model's tokenizer) and starts nothing. `start` reads the checkpoint's tokenizer and special ids
     (`special`), checks that the task's first prompt becomes tokens with them (a ConfigError), then
-    brings the meshes up in order (trainer; warm start; buffer; reward model and generators; the
-    weight sync); a failure midway leaves what started for `shut_down`, which stops whatever is there.
+    brings the meshes up in order (trainer; warm start of a fixed count; buffer; reward model and
+    generators; the weight sync; run.warm_start_steps=auto, which needs the generators for its
+    probes; no warm start on a resume; `warm` holds its report); a failure midway leaves what
+    started for `shut_down`, which stops whatever is there.
     With `supervised` (the CLI job) the weight sync hands a member's failure to the supervisor (which
     must then run: `Supervisor.run`), else (a Session) a failed member fails the push itself: never a
     generator silently left on old weights. Only the TrainLoop and a resume advance `version`.
@@ -81,6 +84,7 @@ class Job:
         self.tokenizer: Any = None
         self.special: SpecialTokens | None = None  # the checkpoint's eos, pad and stop ids (pipeline/tokens.py)
         self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host
+        self.warm: WarmReport | None = None  # the warm start's report (None: none ran, or a resume)
 
     async def start(self) -> None:
         cfg = self.cfg
@@ -106,9 +110,10 @@ class Job:
         self.procs.append(self.trainer.procs)
         self.trainer_addr = self.trainer.addr
         self.placement.update({p["role"]: p for p in self.trainer.placements})
-        warm = None
-        if cfg.run.warm_start_steps and not cfg.run.resume:
-            warm = str(await warm_start(cfg, self.task, self.trainer, self.tokenizer, cfg.run.warm_start_steps))
+        warm, steps = None, cfg.run.warm_start_steps
+        if steps != "auto" and steps and not cfg.run.resume:
+            warm = str(await warm_start(cfg, self.task, self.trainer, self.tokenizer, steps))
+            self.warm = WarmReport(steps, f"run.warm_start_steps={steps}", "fixed")
 
         log.info("starting replay buffer (host 0) and %d generator(s) on hosts %s; vLLM engines take a while to start",
                  cfg.generator.num_generators, hosts)
@@ -124,6 +129,9 @@ class Job:
         await self.sync.attach(self.trainer_addr)
         log.info("meshes up in %.1fs: trainer x%d, buffer, generators x%d (transport=%s)",
                  time.monotonic() - t0, cfg.trainer.num_ranks, len(self.fleet.generators), cfg.weight_sync.transport)
+        if steps == "auto" and not cfg.run.resume:  # a resumed run continues from its checkpoint's weights
+            self.warm = await auto_warm_start(cfg, self.task, self.trainer, self.tokenizer, self.fleet, self.evaluation)
+            log.info(self.warm.line())
 
     def check_prompts(self) -> None:
         """The task's first prompt must become tokens for this checkpoint (messages need a chat

@@ -110,6 +110,9 @@ class TrainLoop:
                 break
             last = step
             await self.hooks.after_step(step, metrics, batch)
+            if (stop := self.hooks.stopping()) is not None:  # a hook ends the run early (no_signal)
+                ended = stop
+                break
         await job.sync.wait()
         done = await self.hooks.finish(last, ended)
         return {"steps": last - first_step + 1, "ended": ended, "version": job.version, **done,

@@ -84,7 +84,7 @@ def _wait_for_rank0(store) -> int:
             return 1
 
 
-def run_under_torchrun(cfg: Config, drive: Callable[[Any], None]) -> int:
+def run_under_torchrun(cfg: Config, drive: Callable[[Any], int]) -> int:
     """Join the Monarch job; on global rank 0 call `drive(host_mesh)`. Returns rank 0's exit code.
     A signal (torchrun forwards SIGINT, SIGTERM and SIGHUP to every rank's process group) stops
     rank 0's run through its shutdown, and the other ranks at once; all exit 128 + signum."""
@@ -120,8 +120,7 @@ def run_under_torchrun(cfg: Config, drive: Callable[[Any], None]) -> int:
         return _wait_for_rank0(store)
     code = 1
     try:
-        drive(job.state().pipeline_worker)
-        code = 0
+        code = drive(job.state().pipeline_worker)
     except KeyboardInterrupt as e:  # a signal stopped the run (its shutdown ran): the others exit alike
         code = exit_code(e)
         raise

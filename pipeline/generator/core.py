@@ -111,6 +111,14 @@ class GeneratorCore:
         """The `load` of an update under trainer.lora (Engine.load_lora)."""
         await self.engine.load_lora(receiver, version, timeout_s)
 
+    async def reload(self, hf_dir: str, timeout_s: float) -> None:
+        """idle -> idle: the engine serves the HF export in `hf_dir` in place, under the same version
+        (the warm start's weights before RL; Engine.reload). Refused while a stage runs."""
+        self.check()
+        if self.scheduler.running:
+            raise RuntimeError(f"generator {self.gid}: reload while generating (end the stage first)")
+        await self.engine.reload(hf_dir, self.version, timeout_s)
+
     def check(self) -> None:
         """Raise if the generator is broken, not started or closed (called by every endpoint)."""
         self.fault.check()

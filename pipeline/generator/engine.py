@@ -11,6 +11,8 @@ Contract:
   * `requests` holds the training requests now in the engine (trajectory key -> request id); an
     abort that must reach all of them (a stage end's save, an update's late LoRA abort) takes them
     from here. Eval requests are not in it.
+  * `reload` loads an HF export into the idle engine in place (the warm start's chunks, before any
+    stage), its version label unchanged.
   * `stop` forgets the core's death first (the stop kills it), then kills core and worker outright
     (`stop_engine`) and removes this engine's adapter directory.
 
@@ -39,9 +41,12 @@ from pipeline.config import Config
 from pipeline.lora import remove_dir
 from pipeline.model import model_dir
 from pipeline.tokens import SpecialTokens, load_tokenizer
-from pipeline.weightsync import load_lora_into_vllm
+from pipeline.weightsync import load_export, load_lora_into_vllm
 
 log = logging.getLogger(__name__)
+
+WARM_LORA_ID = 1_000_000_000
+"""LoRARequest ids of the adapters `reload` adds: clear of every version's id (version + 1)."""
 
 __all__ = ["Engine", "Fault", "GeneratorBroken", "engine_args", "stop_engine"]
 
@@ -173,6 +178,7 @@ class Engine:
         self._lora_old: list[str] = []  # directories of replaced adapters not yet removed
         self._died: asyncio.Future | None = None  # resolved when an engine core process exits
         self._watched: list[int] = []  # our own copies of the core processes' sentinels
+        self._reloads = 0  # `reload` calls (the warm start's), naming their adapters
 
     async def start(self, extra_engine_kwargs: dict | None, version: int) -> dict:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -248,19 +254,26 @@ class Engine:
     async def _start_lora(self, hf_dir, version: int) -> None:
         """A tmpfs directory for this engine's adapters (mrl-lora-<pid>-*, swept once the pid is gone),
         and the adapter a started-from export carries (the warm start's, or the latest on a restart)."""
-        from vllm.lora.request import LoRARequest
-
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.lora_dir = tempfile.mkdtemp(prefix=f"mrl-lora-{os.getpid()}-", dir=root)
-        start = os.path.join(str(hf_dir), "adapter")
-        if os.path.isfile(os.path.join(start, "adapter_config.json")):
-            # a copy of our own: the export may be removed (a restart's is), and vLLM reloads an
-            # adapter from its path after evicting it from its cache
-            own = shutil.copytree(start, os.path.join(self.lora_dir, f"v{version}"))
-            req = LoRARequest(f"v{version}", version + 1, own)
-            if not await self.llm.add_lora(req):
-                raise GeneratorBroken(f"generator {self.gid}: vLLM refused the starting adapter in {start}")
-            self.lora_request = req
+        if os.path.isfile(os.path.join(str(hf_dir), "adapter", "adapter_config.json")):
+            await self._serve_adapter(hf_dir, f"v{version}", version + 1)
+
+    async def _serve_adapter(self, hf_dir, name: str, int_id: int) -> None:
+        """The adapter an export carries (`hf_dir`/adapter) becomes the served one; the one it
+        replaces leaves the engine (its directory goes at the next update)."""
+        from vllm.lora.request import LoRARequest
+
+        # a copy of our own: the export may be removed (a restart's is), and vLLM reloads an
+        # adapter from its path after evicting it from its cache
+        own = shutil.copytree(os.path.join(str(hf_dir), "adapter"), os.path.join(self.lora_dir, name))
+        req = LoRARequest(name, int_id, own)
+        if not await self.control(self.llm.add_lora(req), "add_lora"):
+            raise GeneratorBroken(f"generator {self.gid}: vLLM refused the adapter in {own}")
+        prev, self.lora_request = self.lora_request, req
+        if prev is not None:
+            await self.control(self.llm.remove_lora(prev.lora_int_id), "remove_lora")
+            self._lora_old.append(prev.lora_path)
 
     def lora_kw(self) -> dict:
         """What a request carries with trainer.lora: the served version's adapter (none at version 0
@@ -276,6 +289,18 @@ class Engine:
             self._lora_old.append(prev.lora_path)
         while len(self._lora_old) > 1:  # the previous version's directory stays until the next update
             remove_dir(self._lora_old.pop(0))
+
+    async def reload(self, hf_dir: str, version: int, timeout_s: float) -> None:
+        """Load an HF export of this model (`hf_dir`) into the running engine in place, still labelled
+        `version` (the served one): through the weight-transfer backend as a push loads (tied
+        layers too; vLLM's own reload_weights leaves a tied lm_head stale). With trainer.lora the
+        export's adapter becomes the served one (ids from WARM_LORA_ID up, clear of the versions'
+        version + 1). The caller holds generation (no stage)."""
+        if self.cfg.trainer.lora.rank:
+            self._reloads += 1
+            await self._serve_adapter(hf_dir, f"warm{self._reloads}", WARM_LORA_ID + self._reloads)
+        else:
+            await load_export(self.llm, hf_dir, version, timeout_s)
 
     async def stop(self) -> None:
         if self.llm is not None:

@@ -6,6 +6,7 @@
     await asyncio.gather(sender.push(hf_sd, v), receiver.pull(v))            # per version
     await load_into_vllm(async_llm, receiver, v, timeout_s)                  # engine serves v
     req = await load_lora_into_vllm(async_llm, receiver, v, timeout_s, dir, lcfg, req)   # LoRA: adapters only
+    await load_export(async_llm, hf_dir, v, timeout_s)                       # an HF export, still labelled v
 
 See sender.py for the ordering contract, plan.py for the bucket layout, transport.py for the
 transport interface, vllm_engine.py for the receiving vLLM backend. `load_into_vllm` and
@@ -14,7 +15,8 @@ transport interface, vllm_engine.py for the receiving vLLM backend. `load_into_v
 
 from pipeline.weightsync.errors import (PlanMismatchError, ShortBufferError, SyncTimeoutError, TornReadError,
                                         TransportError, VersionRegressionError, WeightSyncError)
-from pipeline.weightsync.load import WeightLoadError, load_into_vllm, load_lora_into_vllm, vllm_engine_kwargs
+from pipeline.weightsync.load import (WeightLoadError, load_export, load_into_vllm, load_lora_into_vllm,
+                                      vllm_engine_kwargs)
 from pipeline.weightsync.plan import BucketPlan, PlanEntry
 from pipeline.weightsync.receiver import WeightReceiver
 from pipeline.weightsync.sender import WeightSender
@@ -22,7 +24,7 @@ from pipeline.weightsync.transport import SyncHandle
 from pipeline.weightsync.vllm_plugin import BACKEND as VLLM_BACKEND
 
 __all__ = [
-    "BucketPlan", "PlanEntry", "WeightSender", "load_lora_into_vllm", "WeightReceiver", "SyncHandle", "load_into_vllm",
+    "BucketPlan", "PlanEntry", "WeightSender", "load_export", "load_lora_into_vllm", "WeightReceiver", "SyncHandle", "load_into_vllm",
     "vllm_engine_kwargs", "VLLM_BACKEND", "WeightSyncError", "PlanMismatchError", "ShortBufferError",
     "SyncTimeoutError", "TornReadError", "TransportError", "VersionRegressionError", "WeightLoadError",
 ]

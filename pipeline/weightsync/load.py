@@ -1,4 +1,5 @@
-"""Load a staged version into a running vLLM AsyncLLM through the `monarch_rl` weight-transfer backend."""
+"""Load a staged version (or an HF export: `load_export`) into a running vLLM AsyncLLM through the
+`monarch_rl` weight-transfer backend."""
 
 from __future__ import annotations
 
@@ -67,6 +68,25 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
     if served != str(version):
         raise WeightLoadError(f"version {version}: engine reports weight version {served!r} after loading")
     receiver.loaded_version = version
+
+
+async def load_export(engine, hf_dir: str, version: int, timeout_s: float) -> None:
+    """The weights of an HF export of the served model (`hf_dir`: its safetensors files) into a
+    running engine through the same backend and layerwise reload as a push (a tied lm_head reloaded
+    too), labelled `version` (the caller's current one: the warm start reloads under version 0).
+    No generation may run meanwhile. Failures as load_into_vllm's: the engine stops claiming a version."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    async def run() -> None:
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest(
+            update_info={"segment": "", "version": version, "hf_dir": str(hf_dir)}))
+        await engine.finish_weight_update(weight_version=str(version))
+
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    except BaseException as e:
+        await _load_failed(engine, version, e, f"loading the export {hf_dir} into vLLM", timeout_s)
 
 
 async def _load_failed(engine, version: int, e: BaseException, what: str, timeout_s: float) -> None:

@@ -4,12 +4,15 @@ Registered by `vllm_plugin.register()` (entry point group `vllm.general_plugins`
 `weight_transfer_config={"backend": "monarch_rl"}`. `update_weights` receives the name of a
 shared-memory segment staged by a WeightReceiver (or the trainer's own shm slot), maps it once,
 checks its header (version, plan hash), hands zero-copy views to the model's `load_weights` under
-vLLM's layerwise reload (start/finish), and re-checks the header so a torn read raises.
+vLLM's layerwise reload (start/finish), and re-checks the header so a torn read raises. An update
+naming `hf_dir` instead loads the safetensors files of an HF export of the model the same way (the
+auto warm start's chunks, pipeline/weightsync/load.py load_export).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +36,8 @@ class MonarchRLUpdateInfo(WeightTransferUpdateInfo):
     segment: str
     version: int
     plan: dict[str, Any] = field(default_factory=dict)
+    hf_dir: str = ""
+    """Instead of a segment: an HF export's directory, its *.safetensors loaded whole."""
 
 
 class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, MonarchRLUpdateInfo]):
@@ -58,6 +63,10 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
     def receive_weights(self, info: MonarchRLUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        if info.hf_dir:
+            self._receive_export(Path(info.hf_dir))
+            self._version = info.version
+            return
         plan = self._plans.get(info.plan.get("hash", ""))
         if plan is None:
             plan = self._plans.setdefault(info.plan["hash"], BucketPlan.from_wire(info.plan))
@@ -70,6 +79,19 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
         segmod.check_header(seg.header, info.version, plan.hash_int, where, after_read=True)
         self._loaded.update(e.name for e in plan.entries)
         self._version = info.version
+
+    def _receive_export(self, hf_dir: Path) -> None:
+        from safetensors.torch import load_file
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise PlanMismatchError(f"{hf_dir}: no *.safetensors to load")
+        for f in files:
+            sd = load_file(str(f), device=str(self.device))
+            with disable_mtp_completeness_check():
+                self.model.load_weights(iter(sd.items()))
+            self._loaded.update(sd)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
