@@ -72,8 +72,11 @@ def hf_score(cfg, task, hf_dir: Path, seed: int) -> dict:
 
 
 def side_overrides(args, task: str, seed: int) -> list[str]:
-    """The config both sides read: the project's run is in sync mode, so on-policy as TRL's."""
+    """The config both sides read: the project's run is in sync mode, so on-policy as TRL's; a fixed
+    warm start (run.warm_start_steps=auto would stop where its probe says, per seed), so every seed
+    starts from the same number of demonstration steps."""
     return [f"task.name={task}", "run.mode=sync", f"run.seed={seed}", f"run.steps={args.steps}",
+            f"run.warm_start_steps={args.warm_start_steps}",
             f"run.eval_every={args.eval_every}", f"task.eval_samples={args.eval_samples}", *args.overrides]
 
 
@@ -252,6 +255,8 @@ def main() -> int:
                     "start; trl: GRPOTrainer from its export; project_fresh: the CLI run from that export, fresh AdamW")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--warm-start-steps", type=int, default=15, help="run.warm_start_steps of the project run "
+                    "(fixed, so every seed starts from as many demonstration steps; the measured setup used 15)")
     ap.add_argument("--eval-samples", type=int, default=16, help="task.eval_samples on both sides: samples per "
                     "held-out prompt (64 prompts x 16: the sampled reward's eval noise is ~0.006 here)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one project run may take")

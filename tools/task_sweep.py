@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.driver.metrics import read_jsonl  # noqa: E402
+from pipeline.run import NO_SIGNAL_EXIT  # noqa: E402
 
 BUILTIN = ["pipeline.tasks.reverse", "pipeline.tasks.arith", "pipeline.tasks.sort", "pipeline.tasks.boxed",
            "pipeline.tasks.calc", "pipeline.tasks.rotate", "pipeline.tasks.lookup"]
@@ -101,7 +102,9 @@ def run_task(task: str, args, out: Path) -> dict:
     steps = [r for r in rows if "entropy" in r]
     res = {"task": task, "exit_code": code, "wall_s": wall, "steps": len(steps), "rows": rows,
            "warm_start": warm_start_of(run["summary"], run["cfg"])}
-    if code != 0 or len(evals) < 2 or not steps:
+    if code == NO_SIGNAL_EXIT:  # run.stop_without_signal ended it, saying why: an honest early stop
+        res["stopped"] = str(run["summary"].get("no_signal", "no learning signal"))
+    if code not in (0, NO_SIGNAL_EXIT) or len(evals) < 2 or not steps:
         res["passed"] = False
         return res
     first, last = evals[0], evals[-1]
@@ -117,7 +120,8 @@ def run_task(task: str, args, out: Path) -> dict:
     })
     res["sampled_gain"] = res["sampled_after"] - res["sampled_before"]
     res["greedy_gain"] = res["greedy_after"] - res["greedy_before"]
-    res["passed"] = res["sampled_gain"] >= args.min_gain and res["greedy_gain"] >= -args.greedy_slack
+    gained = res["sampled_gain"] >= args.min_gain or res["sampled_after"] >= args.solved
+    res["passed"] = "stopped" in res or (gained and res["greedy_gain"] >= -args.greedy_slack)
     return res
 
 
@@ -136,9 +140,10 @@ def table(results: list[dict], args) -> str:
             f"{r['pass_before']:.3f} → {r['pass_after']:.3f} | {r['first_signal']} | "
             f"{r['set_aside']:.0f} / {r['retried']:.0f} | {r['entropy_first']:.2f} → {r['entropy_min']:.2f} | "
             f"{r['length_first']:.1f} → {r['length_last']:.1f} | {r['collapsed_steps']:.0f} | {r['wall_s']:.0f} s | "
-            f"{'yes' if r['passed'] else 'no'} |")
-    lines.append(f"\npass: sampled gain >= {args.min_gain} and greedy not lower by more than {args.greedy_slack}; "
-                 "pass@k with k = task.eval_k")
+            f"{('stopped early: ' + r['stopped']) if 'stopped' in r else 'yes' if r['passed'] else 'no'} |")
+    lines.append(f"\npass: sampled gain >= {args.min_gain} (or ending at >= {args.solved}) and greedy not lower by more "
+                 f"than {args.greedy_slack}, or the run stopped early saying why (run.stop_without_signal, exit "
+                 f"{NO_SIGNAL_EXIT}); pass@k with k = task.eval_k")
     return "\n".join(lines)
 
 
@@ -185,6 +190,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=0, help="RL steps per task (default: the config's run.steps)")
     ap.add_argument("--min-gain", type=float, default=0.25)
     ap.add_argument("--greedy-slack", type=float, default=0.0)
+    ap.add_argument("--solved", type=float, default=0.85, help="an ending sampled reward that passes whatever the gain")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds one task's run may take")
     ap.add_argument("--out", default="bench_out/task_sweep")
     ap.add_argument("--reuse", action="store_true", help="read, not rerun, each task whose run in --out finished "
