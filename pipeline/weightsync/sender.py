@@ -57,7 +57,7 @@ class WeightSender:
         has joined, so publish and the pulls run concurrently (publish returns before they finish).
 
     Example:
-        # trainer rank 0, once:
+        # one process holding whole tensors, once:
         sender = WeightSender(cfg.weight_sync, hf_meta, num_receivers=G)
         handle = sender.handle()                       # send to every generator once
         # each generator, once:  receiver = WeightReceiver(handle, rank=g)
