@@ -2,8 +2,8 @@
 
     trainer = await Trainer.start(cfg, host_mesh)      # cfg.trainer.num_ranks procs, split evenly over hosts
     metrics = await trainer.train_step(batch)          # dict[str, float], rank 0's (all ranks agree)
-    handle = await trainer.sync_handle(num_receivers)  # once: rank 0 builds the WeightSender
-    wv = await trainer.push_weights()                  # WeightVersion; returns once the snapshot is packed
+    handle = await trainer.sync_handle(num_receivers)  # once: every rank builds its WeightSender
+    wv = await trainer.push_weights()                  # WeightVersion; returns once every rank packed
                                                        # (pipeline.weightsync.sync.WeightSync drives it)
     ref = await trainer.weight_checksums(wv.version)   # weight_sync.verify: the packed snapshot's checksums
     await trainer.save(path, data_state) / await trainer.load(path) -> data_state
@@ -38,6 +38,7 @@ from pipeline.config import Config, ConfigError, WeightSyncConfig
 from pipeline.placement import apply, describe, trainer_placement
 from pipeline.trainer.step import TrainCore
 from pipeline.types import Batch, WeightVersion
+from pipeline.weightsync.transport import merge_handles
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class TrainerActor(Actor):
         self.cfg = cfg
         self.listener: socket.socket | None = None  # rank 0: the rendezvous store's socket
         self.core: TrainCore | None = None
-        self.sender = None  # pipeline.weightsync.WeightSender on rank 0 after sync_handle
+        self.sender = None  # this rank's pipeline.weightsync.WeightSender after sync_handle
 
     def _c(self) -> TrainCore:
         if self.core is None:
@@ -125,33 +126,35 @@ class TrainerActor(Actor):
 
     @endpoint
     async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):
-        """Rank 0 builds the WeightSender from HF-named metadata (in model.dtype, what the engines load);
-        returns its handle (None elsewhere).
-        `host`: the address receivers reach rank 0's host at (collective); `ws_cfg`: the transport
-        (default: this trainer's weight_sync). A second call replaces the sender. Every rank must
-        take part: torchtitan's fused-QKV state-dict hook gathers DTensors."""
-        meta = self._c().state.hf_meta()
-        if self._c().par.rank != 0:
-            return None
+        """Every rank builds its WeightSender for its own shards (HF-named boxes, in model.dtype, what
+        the engines load; pipeline/weightsync/shard_plan.py) and returns its handle (Trainer merges
+        them). `host`: the address receivers reach rank 0's host at (collective: each rank hosts its
+        own group's store, on its own host's address when that is not loopback); `ws_cfg`: the
+        transport (default: this trainer's weight_sync). A second call replaces the sender.
+        Collective over the ranks: the boxes are exchanged so every rank builds the same plan."""
+        core = self._c()
+        meta = core.state.hf_meta()
+        holdings = core.par.all_gather_object([box for box, _ in core.state.push_boxes()])
+        if core.par.rank and not ipaddress.ip_address(host).is_loopback:
+            host = socket.gethostbyname(socket.getfqdn())
         from pipeline.weightsync.sender import WeightSender
 
         if self.sender is not None:
             self.sender.close()
-        self.sender = WeightSender(ws_cfg or self.cfg.weight_sync, meta, num_receivers, host, self.cfg.trainer.backend)
+        self.sender = WeightSender(ws_cfg or self.cfg.weight_sync, meta, num_receivers, host, self.cfg.trainer.backend,
+                                   holdings=holdings, rank=core.par.rank)
         return self.sender.handle()
 
     @endpoint
-    async def push_weights(self) -> WeightVersion | None:
-        """Gather full HF tensors in model.dtype, the engines' (every rank casts its float32 master
-        shards, then gathers); rank 0 packs them as the current version and starts the transfer.
-        Returns once the snapshot is packed: the next train_step may run while receivers read."""
+    async def push_weights(self) -> WeightVersion:
+        """Every rank packs its own shards as the current version (cast to model.dtype as they are
+        copied, nothing gathered) and starts its transfer. Returns once this rank's snapshot is
+        packed: the next train_step may run while receivers read."""
         core = self._c()
-        sd = core.state.hf_state_dict()
-        if core.par.rank != 0:
-            return None
         if self.sender is None:
             raise RuntimeError("trainer: push_weights before sync_handle(num_receivers)")
-        return await self.sender.publish(sd, core.version)
+        tensors = [t for _, t in core.state.push_boxes()]
+        return await self.sender.publish(tensors, core.version)
 
     @concurrent_endpoint  # beside the next train_step: it reads the packed slot, not the live weights
     async def weight_checksums(self, version: int) -> dict[str, str] | None:
@@ -237,7 +240,8 @@ class Trainer:
         return await self.call_all("export_hf", str(path), merged)
 
     async def sync_handle(self, num_receivers: int, host: str = "127.0.0.1", ws_cfg: WeightSyncConfig | None = None):
-        return await self.call_all("sync_handle", num_receivers, host, ws_cfg)
+        """Every rank's sender handle, merged: what each receiver needs (it reads from every rank)."""
+        return merge_handles(await self.call_all("sync_handle", num_receivers, host, ws_cfg, every=True))
 
     async def push_weights(self) -> WeightVersion:
         return await self.call_all("push_weights", timeout=self.cfg.weight_sync.timeout_s)

@@ -43,9 +43,9 @@ def _check_run_outputs(out: Path, steps: int, max_staleness: int) -> None:
 def test_sync_mode_run_trains_every_sample_it_generates(tmp_path):
     """The synchronous baseline through the CLI: B groups on version v, train, push, and only then
     admit for v+1, so every generator serves the trainer's version at each step and nothing is dropped.
-    The trainer runs tensor-parallel (2 ranks, trainer.tensor_parallel=2): each push gathers the
-    DTensor shards, and since every sample is on-policy the sampler's probabilities of its tokens
-    equal the trainer's (mismatch_max) after every sync."""
+    The trainer runs tensor-parallel (2 ranks, trainer.tensor_parallel=2): each rank pushes its own
+    DTensor shards and the generators assemble them, and since every sample is on-policy the sampler's
+    probabilities of its tokens equal the trainer's (mismatch_max) after every sync."""
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL,
                         "run.mode=sync", "trainer.num_ranks=2", "trainer.tensor_parallel=2", f"run.out_dir={out}"],

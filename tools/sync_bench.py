@@ -5,6 +5,7 @@
     .venv/bin/python tools/sync_bench.py --sizes tiny,100m,1b    # adds a ~1B bf16 dict (~8 GiB peak RAM)
     .venv/bin/python tools/sync_bench.py --sizes 100m-vllm       # a ~100M checkpoint loaded into vLLM
     .venv/bin/python tools/sync_bench.py --sizes 100m,100m-lora16 --no-vllm   # LoRA adapters vs full weights
+    .venv/bin/python tools/sync_bench.py --ranks 1,2,4           # sharded push: per-rank memory and bytes
 
 A "trainer" proc (WeightSender) and a "generator" proc (WeightReceiver, plus a vLLM AsyncLLM for the
 tiny model) run as real Monarch actors. Per (transport, model, bucket size) we time pack (snapshot
@@ -18,6 +19,8 @@ apart as pause_wait) and end to end, median over reps
 after one warm-up. Baselines measured in the same run, on the same bytes: a local memcpy in the
 generator proc (the one-host physical limit), one raw `RDMABuffer.read_into` of all bytes, and one
 RDMA read per tensor. Writes table.md, results.csv, results.json and latency.png to --out.
+`--ranks` measures the sharded push instead (tools/sync_bench_ranks.py: per-rank peak memory and
+bytes sent with N trainer ranks; ranks_table.md, ranks_results.json, ranks_memory.png).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pipeline.config import ModelConfig, WeightSyncConfig  # noqa: E402
 from pipeline.driver.metrics import write_csv  # noqa: E402
 from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs  # noqa: E402
 from pipeline.weightsync.load import pause_keep  # noqa: E402
+from tools import sync_bench_ranks  # noqa: E402
 
 SHAPES = {  # Qwen3-like (dim, layers, ffn, vocab, kv_dim)
     "100m": (768, 12, 2048, 32000, 256),
@@ -273,8 +277,19 @@ def main() -> None:
     ap.add_argument("--buckets", default="", help="MiB list; default 1,4,16,64,256 (quick: 1,16,64)")
     ap.add_argument("--reps", type=int, default=0, help="timed reps after one warm-up (default 3, quick 2)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the unpack-into-vLLM measurement")
+    ap.add_argument("--ranks", default="", help="comma list of trainer rank counts: measure the sharded push "
+                    "(per-rank peak memory, bytes sent) on --sizes' first size (default 100m), --buckets' first "
+                    "size (default 16 MiB)")
     ap.add_argument("--out", default="bench_out/sync_bench")
     args = ap.parse_args()
+    if args.ranks:
+        size = args.sizes.split(",")[0] if args.sizes != "tiny,100m" else "100m"
+        sd = make_state_dict(size, vllm_model_dir("tiny") if size in VLLM_SIZES else "")
+        meta = {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
+        del sd
+        print(sync_bench_ranks.main(meta, [int(n) for n in args.ranks.split(",")], args.transports.split(","),
+                                    int((args.buckets or "16").split(",")[0]), args.reps or 3, Path(args.out)))
+        return
     from tqdm import tqdm
 
     sizes, transports = args.sizes.split(","), args.transports.split(",")

@@ -98,6 +98,10 @@ class Job:
             raise RunError(f"weight_sync.transport='shm' only reaches generators on trainer rank 0's host (host 0), "
                            f"but {', '.join(remote)} (generator.placement={cfg.generator.placement!r}, "
                            f"{num_hosts} hosts): use weight_sync.transport=rdma (or collective)")
+        if num_hosts > 1 and cfg.weight_sync.transport == "shm":  # every trainer rank sends its own shards
+            raise RunError(f"weight_sync.transport='shm' needs every trainer rank on the generators' host, but the "
+                           f"{cfg.trainer.num_ranks} trainer ranks run on all {num_hosts} hosts and each sends its "
+                           "own shards: use weight_sync.transport=rdma (or collective)")
         # cores or GPUs too few for the generators of a host: a ConfigError (exit 2) before anything starts
         placements = generator_placements(cfg, hosts, cfg.trainer.num_ranks // num_hosts)
         self.tokenizer = load_tokenizer(model_dir(cfg.model))

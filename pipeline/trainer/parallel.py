@@ -12,8 +12,9 @@ fused QKV weight is laid out KV group by KV group, so a column shard is whole he
 output head is column-sharded with its logits gathered (a head tied to the embedding stays whole,
 or sharding would untie it); FSDP2 then shards over the fsdp axis (when it is > 1). The q/k norms
 act on each rank's own heads, so their gradients are summed over the tp axis before the norm
-(`sq_norm`, in place). Weight export gathers the DTensor shards (full_tensor), so the generators get
-the same weights as from tp = 1.
+(`sq_norm`, in place). HF export gathers the DTensor shards (full_tensor); a weight push sends each
+rank's own shards (trainer/shards.py) and the generators assemble them, so they get the same weights
+as from tp = 1.
 
 Precision (model.dtype below float32, i.e. bfloat16): the trainable parameters stay float32, and so
 do their gradients and AdamW moments (the master: updates of lr 1e-6 would round to nothing in
@@ -25,7 +26,7 @@ KL reference) are stored in bf16 outright. Per trainable parameter: 4 bytes mast
 8 AdamW, plus the bf16 copy of the block being computed. Pushes and HF exports are cast to
 model.dtype (state.py), so the generators get exactly master.to(bf16).
 
-Contract: `clip_grad_norm`, `sq_norm` (under tp), `all_reduce` and `barrier` are collectives: every
+Contract: `clip_grad_norm`, `sq_norm` (under tp), `all_reduce`, `all_gather_object` and `barrier` are collectives: every
 rank calls them in the same order with the same keys, or the ranks hang. `build` is a collective
 when the mesh has more than one rank (FSDP2 and DTensor placement).
 
@@ -182,6 +183,14 @@ class Parallel:
         out = dict(zip(keys, vec.cpu().tolist()))
         if mvec is not None:
             out.update(zip(mkeys, mvec.cpu().tolist()))
+        return out
+
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's `obj` (picklable), in rank order; a collective."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:

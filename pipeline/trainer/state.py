@@ -19,11 +19,13 @@ DCP, the closing barrier): every rank calls it, in the same order. In `export_hf
 and rank 0 alone writes.
 
 Weights out are in model.dtype, the generators' dtype (`dtype`): a push's tensors, the plan's
-meta and an HF export are the float32 master cast to it, shard by shard before the gather.
+meta and an HF export are the float32 master cast to it, shard by shard (a push: each rank's own
+shards, `push_boxes`, cast as they are packed, never gathered; an export: before the gather).
 
 Example:
     state = TrainerState(cfg.trainer, par, hf_dir, model, adapter, ref_model, optimizer, scheduler, torch.bfloat16)
-    sd = state.hf_state_dict()                     # a weight push in bf16 (adapters only under LoRA)
+    sd = state.hf_state_dict()                     # the gathered weights in bf16 (adapters only under LoRA)
+    boxes = state.push_boxes()                     # this rank's part of a push: [(box, local tensor)]
     state.export_hf(out_dir)                       # vLLM-loadable HF directory
     state.save(path, {"version": 3, ...}, data_state)
     saved = state.load(path)                       # trainer_state.json, tensors restored in place
@@ -44,6 +46,8 @@ from pipeline.config import TrainerConfig
 from pipeline.lora import merge_into_hf, peft_state_dict, write_peft
 from pipeline.model import export_hf, read_hf_config, save_hf_checkpoint
 from pipeline.trainer.parallel import Parallel, local, resharded
+from pipeline.trainer.shards import local_boxes
+from pipeline.weightsync.shard_plan import Box
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,19 @@ class TrainerState:
         if self.tcfg.lora.rank:
             return {k: v.to(self.dtype) for k, v in self._peft().items()}
         return export_hf(self.model, self.adapter, self.dtype)
+
+    def push_boxes(self) -> list[tuple[Box, torch.Tensor]]:
+        """This rank's part of a weight push: (box of an HF tensor, tensor) pairs, the same boxes in
+        the same order at every call. Without LoRA: views of this rank's own shards (float32 master;
+        the push casts them to model.dtype as it packs: pipeline/trainer/shards.py), no gather. With
+        LoRA (small): the adapters gathered under PEFT names, all sent by rank 0; a collective then,
+        so every rank must call it."""
+        if not self.tcfg.lora.rank:
+            return local_boxes(self.model, self.adapter)
+        peft = self._peft()
+        if self.par.rank:
+            return []
+        return [((k, (0,) * v.dim(), tuple(v.shape)), v) for k, v in peft.items()]
 
     def _peft(self) -> dict[str, torch.Tensor]:
         """The adapters under PEFT names in their float32 master precision (collective under FSDP)."""

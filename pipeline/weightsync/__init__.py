@@ -1,14 +1,18 @@
 """Weight sync: trainer -> generators, packed into fixed-size buckets, over rdma / collective / shm.
 
-    sender = WeightSender(cfg.weight_sync, hf_state_dict, num_receivers=G)   # trainer rank 0
+    sender = WeightSender(cfg.weight_sync, hf_state_dict, num_receivers=G)   # one process, whole tensors
     handle = sender.handle()                                                 # send once to generators
+    # or one sender per trainer rank r, each sending its own shards (shard_plan.py):
+    #   senders: WeightSender(cfg.weight_sync, hf_meta, G, holdings=boxes_of_every_rank, rank=r)
+    #   handle = merge_handles([every rank's sender.handle()]); sender.publish(tensors_of_rank_r_boxes, v)
     receiver = WeightReceiver(handle, rank=g)                                # each generator
     await asyncio.gather(sender.push(hf_sd, v), receiver.pull(v))            # per version
     await load_into_vllm(async_llm, receiver, v, timeout_s)                  # engine serves v
     req = await load_lora_into_vllm(async_llm, receiver, v, timeout_s, dir, lcfg, req)   # LoRA: adapters only
     await load_export(async_llm, hf_dir, v, timeout_s)                       # an HF export, still labelled v
 
-See sender.py for the ordering contract, plan.py for the bucket layout, transport.py for the
+See sender.py for the ordering contract, plan.py for the bucket layout, shard_plan.py for which
+rank sends which piece and how a receiver assembles them, transport.py for the
 transport interface, vllm_engine.py for the receiving vLLM backend. `load_into_vllm` and
 `vllm_engine_kwargs` import vLLM lazily, so trainer processes never load it.
 """
@@ -20,11 +24,13 @@ from pipeline.weightsync.load import (WeightLoadError, load_export, load_into_vl
 from pipeline.weightsync.plan import BucketPlan, PlanEntry
 from pipeline.weightsync.receiver import WeightReceiver
 from pipeline.weightsync.sender import WeightSender
-from pipeline.weightsync.transport import SyncHandle
+from pipeline.weightsync.shard_plan import ShardPlan
+from pipeline.weightsync.transport import SyncHandle, merge_handles
 from pipeline.weightsync.vllm_plugin import BACKEND as VLLM_BACKEND
 
 __all__ = [
-    "BucketPlan", "PlanEntry", "WeightSender", "load_export", "load_lora_into_vllm", "WeightReceiver", "SyncHandle", "load_into_vllm",
+    "BucketPlan", "PlanEntry", "ShardPlan", "merge_handles", "WeightSender", "load_export", "load_lora_into_vllm",
+    "WeightReceiver", "SyncHandle", "load_into_vllm",
     "vllm_engine_kwargs", "VLLM_BACKEND", "WeightSyncError", "PlanMismatchError", "ShortBufferError",
     "SyncTimeoutError", "TornReadError", "TransportError", "VersionRegressionError", "WeightLoadError",
 ]

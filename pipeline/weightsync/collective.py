@@ -1,7 +1,11 @@
-"""torch.distributed transport: rank 0 (the sender) broadcasts the header, then each bucket.
+"""torch.distributed transport: every trainer rank broadcasts its own header, then its own buckets.
 
-A dedicated process group of `1 + num_receivers` ranks (sender = 0, receiver r = r + 1), built
-from a TCPStore the sender hosts, never the trainer's default group. Store and gloo sockets listen
+Gather-free: trainer rank t has a dedicated process group of `1 + num_receivers` ranks (its sender =
+0, receiver r = r + 1), built from a TCPStore that rank hosts, never the trainer's default group.
+The N trainer ranks' groups run concurrently, each moving only its own shard's bytes; a receiver is
+in all N groups (one thread each) and assembles the pieces (shard_plan.py). One group spanning the
+trainer ranks and the receivers was rejected: a broadcast delivers to every member, so each trainer
+rank would receive every other rank's shard, and the N broadcasts would run one after another. Store and gloo sockets listen
 only on the address given to the sender (127.0.0.1 on one host; the trainer host's address when
 generators live on other hosts). The backend is the trainer's (trainer.backend): `gloo` on CPU, `nccl` on GPU
 (same code; with nccl the slots and the receive bucket live on cuda and each received bucket is
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 from pipeline.weightsync import segment as seg
 from pipeline.weightsync.errors import TransportError
-from pipeline.weightsync.plan import BucketPlan
+from pipeline.weightsync.shard_plan import ShardPlan
 from pipeline.weightsync.transport import NUM_SLOTS, ReceiverTransport, SenderTransport, Slot, SyncHandle
 
 
@@ -86,8 +90,8 @@ class _Group:
 class CollectiveSender(SenderTransport):
     kind = "collective"
 
-    def __init__(self, plan: BucketPlan, num_receivers: int, cfg, host: str, backend: str) -> None:
-        super().__init__(plan, num_receivers, cfg)
+    def __init__(self, shards: ShardPlan, rank: int, num_receivers: int, cfg, host: str, backend: str) -> None:
+        super().__init__(shards, rank, num_receivers, cfg)
         self.backend = backend  # the trainer's (trainer.backend): slots live where its tensors do
         device = "cuda" if backend == "nccl" else "cpu"
         world = num_receivers + 1
@@ -100,7 +104,7 @@ class CollectiveSender(SenderTransport):
                                     master_listen_fd=sock.detach(), timeout=datetime.timedelta(seconds=cfg.timeout_s))
         self._group = _Group(backend, self._host, self._store.port, 0, world, cfg.timeout_s, self._host)
         self.slots = [Slot(torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device=device),
-                           torch.empty(plan.total_bytes, dtype=torch.uint8, device=device)) for _ in range(NUM_SLOTS)]
+                           torch.empty(self.nbytes, dtype=torch.uint8, device=device)) for _ in range(NUM_SLOTS)]
         for s in self.slots:
             s.header[seg.H_VERSION] = seg.EMPTY
 
@@ -109,7 +113,8 @@ class CollectiveSender(SenderTransport):
 
     async def send(self, slot: int, version: int, timeout_s: float) -> None:
         s = self.slots[slot]
-        await self._group.broadcast([s.header, *self.plan.buckets(s.data)], f"version {version} push", 1)
+        await self._group.broadcast([s.header, *self.shards.buckets(self.rank, s.data)],
+                                    f"version {version} push of trainer rank {self.rank}", 1)
 
     def close(self) -> None:
         self._group.close()
@@ -120,30 +125,42 @@ class CollectiveSender(SenderTransport):
 class CollectiveReceiver(ReceiverTransport):
     def __init__(self, handle: SyncHandle, rank: int) -> None:
         super().__init__(handle, rank)
-        info = handle.info
-        self._group = _Group(info["backend"], info["host"], info["port"], rank + 1, handle.num_receivers + 1,
-                             handle.timeout_s, _local_addr(info["host"], info["port"]))
+        self._groups = [_Group(info["backend"], info["host"], info["port"], rank + 1, handle.num_receivers + 1,
+                               handle.timeout_s, _local_addr(info["host"], info["port"])) for info in self.infos]
         self._stage = seg.Segment(seg.new_name(f"coll-r{rank}"), self.plan.total_bytes, create=True)
-        self._cuda = info["backend"] == "nccl"
-        self._header = torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device="cuda" if self._cuda else "cpu")
+        self._cuda = self.infos[0]["backend"] == "nccl"
+        dev = "cuda" if self._cuda else "cpu"
+        self._headers = [torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device=dev) for _ in self.infos]
+        # where each rank's buckets land: the stage itself when its bytes are the full layout
+        self._flats = None if self.direct else [torch.empty(n, dtype=torch.uint8) for n in self.shards.totals]
 
-    async def fetch(self, version: int, timeout_s: float) -> str:
-        await self._group.broadcast([self._header], f"version {version} pull", 1)
+    async def _pull_rank(self, r: int, version: int) -> None:
+        group, what = self._groups[r], f"version {version} pull from trainer rank {r}"
+        await group.broadcast([self._headers[r]], what, 1)
         # A mismatch here leaves the sender blocked on the buckets until its timeout: the run fails
         # on both sides, with this message being the cause.
-        seg.check_header(self._header.cpu(), version, self.plan.hash_int, f"collective push from {self._group.host}")
-        seg.begin_write(self._stage.header)
-        host_buckets = self.plan.buckets(self._stage.data)
-        if self._cuda:  # receive on device, copy each bucket to its place in the host stage
+        seg.check_header(self._headers[r].cpu(), version, self.expect,
+                         f"collective push from trainer rank {r} at {group.host}")
+        host_buckets = self.plan.buckets(self._stage.data) if self.direct else \
+            self.shards.buckets(r, self._flats[r])
+        if self._cuda:  # receive on device, copy each bucket to its place on the host
             dev = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device="cuda")
             views = [dev[:b.numel()] for b in host_buckets]
             after = lambda i, t: host_buckets[i].copy_(t)  # noqa: E731
         else:
             views, after = host_buckets, None
-        await self._group.broadcast(views, f"version {version} pull", 0, after)
-        seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+        await group.broadcast(views, what, 0, after)
+
+    async def fetch(self, version: int, timeout_s: float) -> str:
+        seg.begin_write(self._stage.header)
+        await asyncio.gather(*[self._pull_rank(r, version) for r in range(len(self.infos))])
+        if self.direct:
+            seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+        else:  # a thread: the copy of a large model must not stall the generator's event loop
+            await asyncio.to_thread(self.assemble, self._stage, self._flats, version)
         return self._stage.name
 
     def close(self) -> None:
-        self._group.close()
+        for g in self._groups:
+            g.close()
         self._stage.close()

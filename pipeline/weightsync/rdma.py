@@ -1,15 +1,17 @@
-"""Monarch RDMA transport: receivers read the sender's registered buckets into a staging segment.
+"""Monarch RDMA transport: receivers read every trainer rank's registered buckets.
 
-The sender registers one `RDMABuffer` per bucket per slot, plus one per slot header, once at
-construction (inside its actor). A receiver reads both slot headers, picks the slot publishing the
-wanted version, reads all its buckets in one batched `RDMAAction` straight into its shared-memory
-staging segment (each bucket lands at its place in the flat layout, so no unpack copy), then
-re-reads the header to prove the slot was not rewritten meanwhile. ibverbs where available, the
-TCP fallback otherwise.
+Each trainer rank's sender registers one `RDMABuffer` per bucket per slot, plus one per slot header,
+once at construction (inside its actor). A receiver reads the slot headers, picks each rank's slot
+publishing the wanted version, reads all their buckets in one batched `RDMAAction`, then re-reads
+the headers to prove no slot was rewritten meanwhile. With one rank holding whole tensors the
+buckets land straight at their place in the shared-memory staging segment (no unpack copy); with
+several, each rank's bytes land in a scratch buffer of that rank's size and are assembled into the
+staging segment (shard_plan.py). ibverbs where available, the TCP fallback otherwise.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -17,7 +19,7 @@ import torch
 
 from pipeline.weightsync import segment as seg
 from pipeline.weightsync.errors import ShortBufferError, TransportError
-from pipeline.weightsync.plan import BucketPlan
+from pipeline.weightsync.shard_plan import ShardPlan
 from pipeline.weightsync.transport import (NUM_SLOTS, ReceiverTransport, SenderTransport, Slot, SyncHandle,
                                            wait_for_version)
 
@@ -30,17 +32,17 @@ def _rdma():
 class RdmaSender(SenderTransport):
     kind = "rdma"
 
-    def __init__(self, plan: BucketPlan, num_receivers: int, cfg) -> None:
-        super().__init__(plan, num_receivers, cfg)
+    def __init__(self, shards: ShardPlan, rank: int, num_receivers: int, cfg) -> None:
+        super().__init__(shards, rank, num_receivers, cfg)
         RDMABuffer = _rdma().RDMABuffer
         self.slots, self._headers, self._buckets = [], [], []
         for _ in range(NUM_SLOTS):
             header = torch.zeros(seg.HEADER_WORDS, dtype=torch.int64)
             header[seg.H_MAGIC], header[seg.H_VERSION] = seg.MAGIC, seg.EMPTY
-            data = torch.empty(plan.total_bytes, dtype=torch.uint8)
+            data = torch.empty(self.nbytes, dtype=torch.uint8)
             self.slots.append(Slot(header, data))
             self._headers.append(RDMABuffer(header.view(torch.uint8)))
-            self._buckets.append([RDMABuffer(b) for b in plan.buckets(data)])
+            self._buckets.append([RDMABuffer(b) for b in shards.buckets(rank, data)])
 
     def handle_info(self) -> dict[str, Any]:
         return {"headers": self._headers, "buckets": self._buckets}
@@ -55,48 +57,71 @@ class RdmaSender(SenderTransport):
 class RdmaReceiver(ReceiverTransport):
     def __init__(self, handle: SyncHandle, rank: int) -> None:
         super().__init__(handle, rank)
-        self._headers = handle.info["headers"]
-        self._buckets = handle.info["buckets"]
+        self._headers = [info["headers"] for info in self.infos]
+        self._buckets = [info["buckets"] for info in self.infos]
         self._stage = seg.Segment(seg.new_name(f"rdma-r{rank}"), self.plan.total_bytes, create=True)
-        self._local_headers = [torch.zeros(seg.HEADER_WORDS, dtype=torch.int64) for _ in range(NUM_SLOTS)]
-        for slot, bufs in enumerate(self._buckets):
-            if len(bufs) != self.plan.num_buckets:
-                raise ShortBufferError(f"rdma slot {slot} has {len(bufs)} buckets, plan {self.plan.hash} "
-                                       f"needs {self.plan.num_buckets}")
-            for i, (buf, local) in enumerate(zip(bufs, self.plan.buckets(self._stage.data))):
-                if buf.size() != local.numel():
-                    raise ShortBufferError(f"rdma slot {slot} bucket {i}: remote buffer holds {buf.size()} "
-                                           f"bytes, plan {self.plan.hash} says {local.numel()}")
+        # where each rank's buckets land: the stage itself when its bytes are the full layout
+        self._flats = None if self.direct else [torch.empty(n, dtype=torch.uint8) for n in self.shards.totals]
+        self._local = [self.plan.buckets(self._stage.data)] if self.direct else \
+            [self.shards.buckets(r, f) for r, f in enumerate(self._flats)]
+        self._local_headers = [[torch.zeros(seg.HEADER_WORDS, dtype=torch.int64) for _ in range(NUM_SLOTS)]
+                               for _ in self.infos]
+        for r, (slots, locals_) in enumerate(zip(self._buckets, self._local)):
+            for slot, bufs in enumerate(slots):
+                if len(bufs) != len(locals_):
+                    raise ShortBufferError(f"rdma slot {slot} of trainer rank {r} has {len(bufs)} buckets, plan "
+                                           f"{self.shards.hash} needs {len(locals_)}")
+                for i, (buf, local) in enumerate(zip(bufs, locals_)):
+                    if buf.size() != local.numel():
+                        raise ShortBufferError(f"rdma slot {slot} bucket {i} of trainer rank {r}: remote buffer "
+                                               f"holds {buf.size()} bytes, plan {self.shards.hash} says "
+                                               f"{local.numel()}")
 
-    async def _read_headers(self, slots: list[int], version: int, timeout_s: float) -> None:
+    async def _read_headers(self, slots: list[tuple[int, int]], version: int, timeout_s: float) -> None:
         action = _rdma().RDMAAction()
-        for s in slots:
-            action.read_remote(self._local_headers[s].view(torch.uint8), self._headers[s])
+        for r, s in slots:
+            action.read_remote(self._local_headers[r][s].view(torch.uint8), self._headers[r][s])
         try:
             await action.submit(timeout=max(1, math.ceil(timeout_s)))
         except Exception as e:
-            raise TransportError(f"version {version}: rdma read of slot headers {slots} failed: {e}") from e
+            raise TransportError(f"version {version}: rdma read of slot headers {slots} (rank, slot) "
+                                 f"failed: {e}") from e
+
+    def _where(self, r: int, slot: int) -> str:
+        return f"rdma slot {slot} of trainer rank {r} (owner {self._headers[r][slot].owner})"
 
     async def fetch(self, version: int, timeout_s: float) -> str:
-        async def versions() -> list[int]:
-            await self._read_headers(list(range(NUM_SLOTS)), version, timeout_s)
-            return [int(h[seg.H_VERSION]) for h in self._local_headers]
+        world = range(len(self.infos))
 
-        slot = await wait_for_version(versions, version, timeout_s, "the sender's rdma slots")
-        where = f"rdma slot {slot} (owner {self._headers[slot].owner})"
-        seg.check_header(self._local_headers[slot], version, self.plan.hash_int, where)
+        async def slot_of(r: int) -> int:
+            async def versions() -> list[int]:
+                await self._read_headers([(r, s) for s in range(NUM_SLOTS)], version, timeout_s)
+                return [int(h[seg.H_VERSION]) for h in self._local_headers[r]]
+
+            i = await wait_for_version(versions, version, timeout_s, f"trainer rank {r}'s rdma slots")
+            seg.check_header(self._local_headers[r][i], version, self.expect, self._where(r, i))
+            return i
+
+        chosen = await asyncio.gather(*[slot_of(r) for r in world])
         seg.begin_write(self._stage.header)
         action = _rdma().RDMAAction()
-        for buf, local in zip(self._buckets[slot], self.plan.buckets(self._stage.data)):
-            action.read_remote(local, buf)
+        for r in world:
+            for buf, local in zip(self._buckets[r][chosen[r]], self._local[r]):
+                action.read_remote(local, buf)
+        nb = sum(len(b) for b in self._local)
         try:
             await action.submit(timeout=max(1, math.ceil(timeout_s)))
         except Exception as e:
-            raise TransportError(f"version {version}: rdma read of {self.plan.num_buckets} buckets "
-                                 f"(0..{self.plan.num_buckets - 1}) from {where} failed: {e}") from e
-        await self._read_headers([slot], version, timeout_s)
-        seg.check_header(self._local_headers[slot], version, self.plan.hash_int, where, after_read=True)
-        seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+            raise TransportError(f"version {version}: rdma read of {nb} buckets from trainer ranks "
+                                 f"0..{len(self.infos) - 1} failed: {e}") from e
+        await self._read_headers(list(enumerate(chosen)), version, timeout_s)
+        for r in world:
+            seg.check_header(self._local_headers[r][chosen[r]], version, self.expect,
+                             self._where(r, chosen[r]), after_read=True)
+        if self.direct:
+            seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+        else:  # a thread: the copy of a large model must not stall the generator's event loop
+            await asyncio.to_thread(self.assemble, self._stage, self._flats, version)
         return self._stage.name
 
     def close(self) -> None:

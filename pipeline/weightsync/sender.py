@@ -1,10 +1,12 @@
-"""WeightSender: trainer rank 0 packs HF-named weights into a double-buffered snapshot and publishes it."""
+"""WeightSender: one per trainer rank; packs that rank's own pieces of the HF-named weights into a
+double-buffered snapshot and publishes them (shard_plan.py says which pieces; with one rank and no
+holdings given, every tensor whole, as from a single process)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -14,30 +16,34 @@ from pipeline.weightsync import segment as seg
 from pipeline.weightsync.checksum import Checksum, of_dict
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
 from pipeline.weightsync.plan import BucketPlan
+from pipeline.weightsync.shard_plan import Box, ShardPlan
 from pipeline.weightsync.transport import NUM_SLOTS, SenderTransport, SyncHandle
 
 
-def make_sender(kind: str, plan: BucketPlan, num_receivers: int, cfg, host: str = "127.0.0.1",
+def make_sender(kind: str, shards: ShardPlan, rank: int, num_receivers: int, cfg, host: str = "127.0.0.1",
                 backend: str = "gloo") -> SenderTransport:
-    """The sender side of transport `kind`; `host` is the address receivers reach this process at,
-    `backend` the torch.distributed backend of a collective (the trainer's, trainer.backend)."""
+    """Trainer rank `rank`'s side of transport `kind`; `host` is the address receivers reach this
+    process at, `backend` the torch.distributed backend of a collective (the trainer's, trainer.backend)."""
     if kind == "shm":
         from pipeline.weightsync.shm import ShmSender
-        return ShmSender(plan, num_receivers, cfg)
+        return ShmSender(shards, rank, num_receivers, cfg)
     if kind == "rdma":
         from pipeline.weightsync.rdma import RdmaSender
-        return RdmaSender(plan, num_receivers, cfg)
+        return RdmaSender(shards, rank, num_receivers, cfg)
     if kind == "collective":
         from pipeline.weightsync.collective import CollectiveSender
-        return CollectiveSender(plan, num_receivers, cfg, host, backend)
+        return CollectiveSender(shards, rank, num_receivers, cfg, host, backend)
     raise ValueError(f"unknown weight-sync transport {kind!r}")
 
 
 class WeightSender:
-    """Publishes versions of the trainer's weights to `num_receivers` WeightReceivers.
+    """Publishes trainer rank `rank`'s part of each version of the weights to `num_receivers`
+    WeightReceivers. `holdings[r]` lists the boxes rank r holds (shard_plan.py); every rank builds
+    the same ShardPlan from them, and a receiver needs every rank's handle (`merge_handles`).
+    Without holdings this one sender holds every tensor whole and `publish` takes the state dict.
 
-    Ordering contract:
-      * `publish(sd, v)` packs `sd` into the free slot, starts the transfer and returns: from then on
+    Ordering contract (per rank; every rank publishes every version):
+      * `publish(sd, v)` packs `sd` (with holdings: the tensors of this rank's boxes, in order) into the free slot, starts the transfer and returns: from then on
         the optimizer may overwrite `sd` (the next step overlaps the transfer). `flush()` awaits the
         transfer and re-raises its failure; the next `publish` flushes first. `push` = publish + flush.
       * Versions strictly increase (VersionRegressionError otherwise).
@@ -52,7 +58,7 @@ class WeightSender:
         has joined, so publish and the pulls run concurrently (publish returns before they finish).
 
     Example:
-        # trainer rank 0, once:
+        # one process holding whole tensors, once:
         sender = WeightSender(cfg.weight_sync, hf_meta, num_receivers=G)
         handle = sender.handle()                       # send to every generator once
         # each generator, once:  receiver = WeightReceiver(handle, rank=g)
@@ -61,16 +67,24 @@ class WeightSender:
         await asyncio.gather(*[r.pull(v) for r in receivers])   # (in the generators' processes)
         # the next publish may start only after every receiver loaded v (slot reuse rule above).
         sender.close()
+        # trainer rank r of N, each holding its shards (boxes of the HF tensors):
+        sender = WeightSender(cfg.weight_sync, hf_meta, G, holdings=all_ranks_boxes, rank=r)
+        await sender.publish([local tensor of each box of rank r], v)
     """
 
     def __init__(self, cfg: WeightSyncConfig, state_dict_meta_or_sd: Mapping[str, object], num_receivers: int,
-                 host: str = "127.0.0.1", backend: str = "gloo") -> None:
+                 host: str = "127.0.0.1", backend: str = "gloo", holdings: Sequence[Sequence[Box]] | None = None,
+                 rank: int = 0) -> None:
         if num_receivers < 1:
             raise ValueError(f"WeightSender: num_receivers={num_receivers} must be >= 1")
         self.cfg = cfg
         self.plan = BucketPlan.from_state_dict(state_dict_meta_or_sd, cfg.bucket_mb << 20)
+        self.shards = ShardPlan.whole(self.plan) if holdings is None else ShardPlan.build(self.plan, holdings)
+        if not 0 <= rank < self.shards.world:
+            raise ValueError(f"WeightSender: rank {rank} outside the {self.shards.world} trainer ranks")
+        self.rank, self._whole = rank, holdings is None
         self.num_receivers = num_receivers
-        self.transport = make_sender(cfg.transport, self.plan, num_receivers, cfg, host, backend)
+        self.transport = make_sender(cfg.transport, self.shards, rank, num_receivers, cfg, host, backend)
         self._sending: asyncio.Task | None = None
         for slot in self.transport.slots:  # fault the pages in now, not during the first pushes
             slot.data.zero_()
@@ -80,24 +94,32 @@ class WeightSender:
         self.last_timing: dict[str, float] = {}
 
     def handle(self) -> SyncHandle:
+        """This rank's handle; with several ranks, the receivers need all of them merged (merge_handles)."""
         return SyncHandle(self.cfg.transport, self.plan, self.num_receivers, self.cfg.timeout_s,
-                          self.transport.handle_info())
+                          {"ranks": [self.transport.handle_info()]}, self.shards)
 
-    def pack(self, hf_state_dict: Mapping[str, torch.Tensor], version: int) -> int:
-        """Snapshot `hf_state_dict` into the next slot and publish `version`; returns the slot index."""
+    def pack(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], version: int) -> int:
+        """Snapshot this rank's part into the next slot and publish `version`; returns the slot index.
+        `tensors`: the HF state dict (no holdings given), else the tensor of each of this rank's boxes
+        in holdings order, any dtype (each is cast to the plan's while it is copied)."""
         if self._last_version is not None and version <= self._last_version:
             raise VersionRegressionError(f"version {version}: push after version {self._last_version}; "
                                          "versions must strictly increase")
-        self.plan.check_state_dict(hf_state_dict, version)
+        if isinstance(tensors, Mapping):
+            if not self._whole:
+                raise WeightSyncError(f"version {version}: trainer rank {self.rank} holds shards; pass the "
+                                      "tensors of its boxes, not a state dict")
+            self.plan.check_state_dict(tensors, version)
+            tensors = [tensors[e.name] for e in self.plan.entries]
         slot_idx = self._pushes % NUM_SLOTS
         slot = self.transport.slots[slot_idx]
         t0 = time.perf_counter()
         seg.begin_write(slot.header)
-        self.plan.pack(hf_state_dict, slot.data, version)
+        sent = self.shards.pack(self.rank, tensors, slot.data, version)
         if slot.data.is_cuda:
             torch.cuda.synchronize(slot.data.device)
-        seg.end_write(slot.header, version, self.plan.hash_int, self.plan.total_bytes)
-        self.last_timing = {"pack_s": time.perf_counter() - t0}
+        seg.end_write(slot.header, version, self.shards.header_hash_int, self.shards.totals[self.rank])
+        self.last_timing = {"pack_s": time.perf_counter() - t0, "bytes": float(sent)}
         self._pushes += 1
         self._last_version = version
         self._slot_of = {version: slot_idx}
@@ -132,11 +154,12 @@ class WeightSender:
         self.last_timing["send_s"] = time.perf_counter() - t0
         return WeightVersion(version, self.plan.hash, self.plan.num_buckets, self.plan.total_bytes)
 
-    async def publish(self, hf_state_dict: Mapping[str, torch.Tensor], version: int) -> WeightVersion:
-        """Pack `version` and start its transfer; returns once `hf_state_dict` may change (see above)."""
+    async def publish(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                      version: int) -> WeightVersion:
+        """Pack `version` and start its transfer; returns once `tensors` may change (see above)."""
         await self.flush()
         # A thread, so a large copy does not stall the actor's event loop (torch drops the GIL).
-        await asyncio.to_thread(self.pack, hf_state_dict, version)
+        await asyncio.to_thread(self.pack, tensors, version)
         self._sending = asyncio.create_task(self.send(version), name=f"weightsync-send-v{version}")
         return WeightVersion(version, self.plan.hash, self.plan.num_buckets, self.plan.total_bytes)
 
@@ -146,9 +169,10 @@ class WeightSender:
             task, self._sending = self._sending, None
             await task
 
-    async def push(self, hf_state_dict: Mapping[str, torch.Tensor], version: int) -> WeightVersion:
+    async def push(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+                   version: int) -> WeightVersion:
         """publish + flush: returns once the transfer is done (collective: every receiver joined)."""
-        wv = await self.publish(hf_state_dict, version)
+        wv = await self.publish(tensors, version)
         await self.flush()
         return wv
 

@@ -1,7 +1,7 @@
 """WeightSync: the one object that owns the order of a weight push, for every transport and schedule.
 
     sync = WeightSync(trainer, generators, cfg)     # trainer: actors.trainer.Trainer; generators: actor handles
-    await sync.attach(host)                         # sender on trainer rank 0, a receiver per generator
+    await sync.attach(host)                         # a sender per trainer rank, a receiver per generator
     await sync.start(v)                             # returns once the trainer's snapshot of v is packed
     ...                                             # the next train step may run here
     seconds = await sync.wait()                     # every generator serves v (or the push's error)
@@ -15,7 +15,7 @@ A push of version v has two phases per generator:
            serves, read back in its worker, against those of the trainer's packed snapshot
 
 Ordering contract:
-  * trainer.push_weights (snapshot + pack on rank 0, transfer started) happens first and is awaited
+  * trainer.push_weights (every rank packs its own shards, transfer started) happens first and is awaited
     by `start`: after it the optimizer may overwrite the live weights.
   * Every generator stages v concurrently. For the pull transports (rdma, shm) that may start any
     time after the pack. For `collective` it must: the broadcast needs the sender and every receiver
@@ -106,7 +106,7 @@ class WeightSync:
         return [(i, g) for i, g in enumerate(self.generators) if g is not None]
 
     async def attach(self, host: str = "127.0.0.1") -> None:
-        """Build the sender on trainer rank 0 and a receiver on every live generator. `host`: the
+        """Build a sender on every trainer rank and a receiver on every live generator. `host`: the
         address generators reach trainer rank 0's host at (collective). Calling it again rewires."""
         async with self._lock:
             self._host = host

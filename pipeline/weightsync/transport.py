@@ -1,13 +1,16 @@
 """The transport interface every weight-sync transport implements (shm.py, rdma.py, collective.py).
 
-A transport moves the bytes of one packed version from the sender's slot to a place the receiver's
-vLLM engine process can map:
+A transport moves the bytes of one packed version from the senders' slots to a place the receiver's
+vLLM engine process can map. There is one sender per trainer rank, each with its own slots holding
+its own pieces of the weights (shard_plan.py); a receiver brings every rank's bytes and assembles
+the whole tensors in its staging segment, in the full plan's layout (plan.py):
 
-    sender side   SenderTransport: owns the two slots (header + flat bytes each); `send(slot, v)`
-                  runs after the slot is packed and published (collective broadcasts here; pull
-                  transports do nothing).
+    sender side   SenderTransport (one per trainer rank): owns that rank's two slots (header + flat
+                  bytes each); `send(slot, v)` runs after the slot is packed and published
+                  (collective broadcasts here; pull transports do nothing).
     receiver side ReceiverTransport: `fetch(v)` returns the name of a shared-memory segment whose
-                  header publishes v (its own staging segment, or for shm the sender's slot itself).
+                  header publishes v under the full plan (its own staging segment, or for shm with
+                  one rank holding whole tensors, the sender's slot itself).
 
 WeightSender / WeightReceiver (sender.py, receiver.py) pick the implementation from
 `WeightSyncConfig.transport`; the implementations import this module, never each other.
@@ -18,13 +21,15 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 import torch
 
-from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError
+from pipeline.weightsync import segment as seg
+from pipeline.weightsync.errors import PlanMismatchError, SyncTimeoutError, VersionRegressionError
 from pipeline.weightsync.plan import BucketPlan
+from pipeline.weightsync.shard_plan import ShardPlan
 
 NUM_SLOTS = 2
 
@@ -37,20 +42,41 @@ class Slot:
 
 @dataclass(frozen=True)
 class SyncHandle:
-    """Everything a receiver needs, sent once from the sender to every generator (picklable)."""
+    """Everything a receiver needs, sent once from the senders to every generator (picklable).
+
+    `plan`: the assembled layout the engine loads; `shards`: who sends what (None: one rank holding
+    every tensor whole); `info["ranks"][r]`: trainer rank r's transport handles."""
 
     kind: str
     plan: BucketPlan
     num_receivers: int
     timeout_s: float
     info: dict[str, Any] = field(default_factory=dict)
+    shards: ShardPlan | None = None
+
+    @property
+    def shard_plan(self) -> ShardPlan:
+        return self.shards if self.shards is not None else ShardPlan.whole(self.plan)
+
+
+def merge_handles(handles: list[SyncHandle]) -> SyncHandle:
+    """One handle from every trainer rank's (in rank order): the ranks' transport handles side by side."""
+    first = handles[0]
+    for r, h in enumerate(handles):
+        if h.shard_plan.hash != first.shard_plan.hash or h.kind != first.kind:
+            raise PlanMismatchError(f"trainer rank {r} built shard plan {h.shard_plan.hash} over {h.kind}, "
+                                    f"rank 0 {first.shard_plan.hash} over {first.kind}")
+    return replace(first, info={"ranks": [i for h in handles for i in h.info["ranks"]]})
 
 
 class SenderTransport(ABC):
+    """Trainer rank `rank`'s side: slots of `shards.totals[rank]` bytes."""
+
     kind: str
 
-    def __init__(self, plan: BucketPlan, num_receivers: int, cfg) -> None:
-        self.plan, self.num_receivers, self.cfg = plan, num_receivers, cfg
+    def __init__(self, shards: ShardPlan, rank: int, num_receivers: int, cfg) -> None:
+        self.shards, self.rank, self.num_receivers, self.cfg = shards, rank, num_receivers, cfg
+        self.nbytes = shards.totals[rank]
         self.slots: list[Slot] = []
 
     @abstractmethod
@@ -65,8 +91,32 @@ class SenderTransport(ABC):
 
 
 class ReceiverTransport(ABC):
+    """`direct`: one sender whose bytes are the full layout (no assembly); else the ranks' bytes are
+    assembled into a staging segment of the receiver's own."""
+
     def __init__(self, handle: SyncHandle, rank: int) -> None:
         self.handle, self.plan, self.rank = handle, handle.plan, rank
+        self.shards = handle.shard_plan
+        self.infos = handle.info["ranks"]
+        self.direct = self.shards.identity
+        # what every rank's header must carry: the receiver's own plan when one rank's bytes are loaded as they are
+        self.expect = self.plan.hash_int if self.direct else self.shards.hash_int
+        if len(self.infos) != self.shards.world:
+            raise PlanMismatchError(f"receiver {rank}: handle names {len(self.infos)} trainer ranks, shard plan "
+                                    f"{self.shards.hash} has {self.shards.world}")
+        if not self.direct and self.shards.full.hash != self.plan.hash:
+            raise PlanMismatchError(f"receiver {rank}: bucket plan {self.plan.hash} is not the one the shard plan "
+                                    f"{self.shards.hash} assembles ({self.shards.full.hash})")
+
+    def assemble(self, stage: seg.Segment, flats: list[torch.Tensor], version: int,
+                 recheck: Callable[[], None] | None = None) -> None:
+        """Every rank's bytes of `version` (headers checked) into `stage`; `recheck` (raising if a
+        source was rewritten meanwhile) runs before the stage's header publishes the version."""
+        seg.begin_write(stage.header)
+        self.shards.assemble(flats, stage.data, version)
+        if recheck is not None:
+            recheck()
+        seg.end_write(stage.header, version, self.plan.hash_int, self.plan.total_bytes)
 
     @abstractmethod
     async def fetch(self, version: int, timeout_s: float) -> str:
