@@ -129,6 +129,8 @@ def test_the_benign_rotary_reload_warning_is_dropped_at_warning_and_nothing_else
     # Monarch prefixes records made inside a Monarch process with "[actor=...] "; compare the message
     handler.emit = lambda r: seen.append((r.levelname, re.sub(r"^(\[actor=[^\]]*\] )+", "", r.getMessage())))
     logger.addHandler(handler)
+    level = logger.level  # an earlier in-process engine may have raised vLLM's level: the filter is under test
+    logger.setLevel(logging.DEBUG)
     try:
         logs.quiet_benign(logging.WARNING)
         for layer in ("RotaryEmbedding", "QKVParallelLinear"):
@@ -142,4 +144,5 @@ def test_the_benign_rotary_reload_warning_is_dropped_at_warning_and_nothing_else
         assert seen == [("WARNING", "RotaryEmbedding: Failed to load weights")]
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
         logs.quiet_benign(logging.INFO)

@@ -31,8 +31,8 @@ class Hook:
 
     stop: str | None = None
 
-    async def start(self, first_step: int) -> None:
-        pass
+    async def start(self, first_step: int, row0: dict) -> None:
+        """Before the first step; a fresh run's step-0 figures go into `row0`, one metrics row."""
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         pass
@@ -56,7 +56,7 @@ class Measure(Hook):
         self.t_start = time.monotonic()
         self.samples = self.tokens = 0
 
-    async def start(self, first_step: int) -> None:
+    async def start(self, first_step: int, row0: dict) -> None:
         self.t_start = time.monotonic()  # after the step-0 eval (Hooks.start runs it last)
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
@@ -107,9 +107,9 @@ class Eval(Hook):
         self.job.eval_curve.append((step, ev["eval/reward"], ev["eval/reward_greedy"]))
         return ev
 
-    async def start(self, first_step: int) -> None:
+    async def start(self, first_step: int, row0: dict) -> None:
         if first_step == 1:
-            self.sink.log(0, await self._eval(0))
+            row0.update(await self._eval(0))
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         if step % self.every == 0 or step == self.last_step:
@@ -142,7 +142,7 @@ class SignalAlarm(Hook):
         self.preflight: str | None = None
         self.stopped: str | None = None
 
-    async def start(self, first_step: int) -> None:
+    async def start(self, first_step: int, row0: dict) -> None:
         job, g = self.job, self.job.cfg.buffer.group_size
         if first_step != 1 or g < 2 or not (job.cfg.run.eval_every and job.cfg.task.eval_prompts):
             return
@@ -150,7 +150,7 @@ class SignalAlarm(Hook):
         probe = warm.after if warm is not None and warm.after is not None else Probe.of(await job.evaluation.probe(g), g)
         self.preflight, bad = preflight(probe)
         (log.warning if bad else log.info)(self.preflight)
-        self.sink.log(0, probe.metrics("preflight") | (warm.metrics() if warm is not None else {}))
+        row0.update(probe.metrics("preflight") | (warm.metrics() if warm is not None else {}))
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         groups: dict[int, list[float]] = {}
@@ -217,12 +217,17 @@ class Hooks:
         await hooks.after_step(1, metrics, batch)
     """
 
-    def __init__(self, hooks: list[Hook]):
-        self.hooks = hooks
+    def __init__(self, hooks: list[Hook], sink: Any = None):
+        self.hooks, self.sink = hooks, sink
 
     async def start(self, first_step: int) -> None:
+        """Runs every hook's start; their step-0 figures (a fresh run's eval, the pre-flight probe,
+        the warm start's) are written as one row, so metrics.jsonl keeps one row per step."""
+        row0: dict = {}
         for h in reversed(self.hooks):
-            await h.start(first_step)
+            await h.start(first_step, row0)
+        if row0 and self.sink is not None:
+            self.sink.log(0, row0)
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         for h in self.hooks:
@@ -251,7 +256,7 @@ def step_hooks(job: Any, sink: Any, progress: Any, checkpointing: Any, first_ste
         Checkpoint(checkpointing, run.checkpoint_every) if run.checkpoint_every else Hook(),
         RolloutLog(job, sink, run.log_rollouts) if run.log_rollouts else Hook(),
         Record(sink, progress),
-    ])
+    ], sink)
 
 
 def rejected_metrics(gens: list[dict]) -> dict[str, float]:
