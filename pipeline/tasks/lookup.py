@@ -26,9 +26,9 @@ import string
 from typing import Iterator
 
 from pipeline.tasks import arith
+from pipeline.tasks.calc import CALL, OBS_END, OBS_START, final_answer  # one tool-call syntax for both tool tasks
 from pipeline.types import PromptItem
 
-CALL, OBS_START, OBS_END = "?", ":", ";"
 KEY = re.compile(r"[a-z]{3}")
 
 
@@ -74,10 +74,6 @@ class Lookup:
 
 def env(item: PromptItem) -> Lookup:
     return Lookup(item)
-
-
-def final_answer(transcript: str) -> str:
-    return transcript.rsplit(OBS_END, 1)[-1].strip()
 
 
 def reward(prompt: str, completion: str) -> float:
