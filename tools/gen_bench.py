@@ -27,30 +27,44 @@ import time
 from collections import deque
 from pathlib import Path
 
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from pipeline.types import PromptGroup, PromptItem
 
 
 class ListSource(Actor):
-    """Admits groups from a list of prompts and counts rollouts (a minimal stand-in for the buffer)."""
+    """Admits groups from a list of prompts and counts rollouts (a minimal stand-in for the buffer).
+    Its admit waits for work the way the replay buffer's does (an event, up to wait_s), so an idle
+    generator does not poll: polling would load the generator's core and slow the decoding measured."""
 
     def __init__(self, group_size: int):
         self.items: deque[PromptItem] = deque()
         self.group_size, self.next_id, self.count, self.tokens = group_size, 0, 0, 0
+        self.has_work = asyncio.Event()
 
     @endpoint
     async def feed(self, items: list[PromptItem]) -> None:
         self.items.extend(items)
         self.count = self.tokens = 0
+        self.has_work.set()
 
-    @endpoint
-    async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
+    async def next_item(self, wait_s: float) -> PromptItem | None:
+        """The next prompt, waiting up to wait_s for a feed; None if none came."""
         if not self.items:
-            await asyncio.sleep(min(wait_s, 0.05))
+            self.has_work.clear()
+            try:
+                await asyncio.wait_for(self.has_work.wait(), wait_s)
+            except asyncio.TimeoutError:
+                return None
+        return self.items.popleft() if self.items else None
+
+    @concurrent_endpoint
+    async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
+        item = await self.next_item(wait_s)
+        if item is None:
             return None
         self.next_id += 1
-        return PromptGroup(self.next_id, self.items.popleft(), self.group_size, admitted_version=0)
+        return PromptGroup(self.next_id, item, self.group_size, admitted_version=0)
 
     @endpoint
     async def add(self, rollout, lessee=None) -> None:

@@ -65,9 +65,7 @@ def say(msg: str) -> None:
 
 
 class TimedSource(ListSource):
-    """ListSource that also times a wave: from its first admit to its last rollout. Its admit waits
-    for work the way the replay buffer's does (an event, up to wait_s), so an idle generator does
-    not poll: polling would load the generator's core and slow the very decoding being measured."""
+    """ListSource that also times a wave: from its first admit to its last rollout."""
 
     @endpoint
     async def feed(self, items: list[PromptItem]) -> None:
@@ -75,28 +73,18 @@ class TimedSource(ListSource):
         self.count = self.tokens = 0
         self.t_first = self.t_last = None
         self.admits: list[float] = []
-        self._work().set()
-
-    def _work(self) -> asyncio.Event:
-        if not hasattr(self, "_has_work"):
-            self._has_work = asyncio.Event()
-        return self._has_work
+        self.has_work.set()
 
     @concurrent_endpoint
     async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
-        if not self.items:
-            self._work().clear()
-            try:
-                await asyncio.wait_for(self._work().wait(), wait_s)
-            except asyncio.TimeoutError:
-                return None
-        if not self.items:
+        item = await self.next_item(wait_s)
+        if item is None:
             return None
         self.admits.append(time.monotonic())
         if self.t_first is None:
             self.t_first = time.monotonic()
         self.next_id += 1
-        return PromptGroup(self.next_id, self.items.popleft(), self.group_size, admitted_version=0)
+        return PromptGroup(self.next_id, item, self.group_size, admitted_version=0)
 
     @endpoint
     async def add(self, rollout, lessee=None) -> None:
