@@ -22,6 +22,7 @@ from pipeline.weightsync.segment import Segment
 pytestmark = pytest.mark.slow
 NUM_RECEIVERS = 2
 TRANSPORTS = ["shm", "rdma", "collective"]
+GET_S = 120  # every call on a mesh is bounded
 
 
 def make_sd(version: int) -> dict[str, torch.Tensor]:
@@ -92,15 +93,15 @@ def meshes():
     trainer = this_host().spawn_procs(per_host={"procs": 1})
     gens = this_host().spawn_procs(per_host={"procs": NUM_RECEIVERS})
     yield trainer, gens
-    trainer.stop().get()
-    gens.stop().get()
+    trainer.stop().get(timeout=GET_S)
+    gens.stop().get(timeout=GET_S)
 
 
 def spawn(meshes, transport: str, timeout_s: float = 30.0):
     trainer, gens = meshes
     sender = trainer.spawn(f"sender_{transport}_{int(timeout_s)}", SenderActor, transport, timeout_s)
     receivers = gens.spawn(f"receivers_{transport}_{int(timeout_s)}", ReceiverActor)
-    receivers.setup.call(sender.sync_handle.call_one().get()).get()
+    receivers.setup.call(sender.sync_handle.call_one().get(timeout=GET_S)).get(timeout=GET_S)
     return sender, receivers
 
 
@@ -111,28 +112,28 @@ def test_round_trip_is_bit_exact_across_versions_and_slots(meshes, transport):
         for version in (1, 2, 3):  # three pushes: both slots used, slot 0 reused
             pushed = sender.push.call_one(version)  # concurrent with the pulls (required by collective)
             pulled = receivers.pull.call(version)
-            wv = pushed.get()
+            wv = pushed.get(timeout=GET_S)
             assert wv.version == version and wv.num_buckets == 2
             expected = make_sd(version)
-            for _, got in pulled.get().items():
+            for _, got in pulled.get(timeout=GET_S).items():
                 assert list(got) == list(expected)
                 for name, t in expected.items():
                     assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
                     assert torch.equal(bits(got[name]), bits(t)), (transport, version, name)
     finally:
-        receivers.shutdown_receiver.call().get()
-        sender.shutdown_sender.call_one().get()
+        receivers.shutdown_receiver.call().get(timeout=GET_S)
+        sender.shutdown_sender.call_one().get(timeout=GET_S)
 
 
 @pytest.mark.parametrize("transport", ["shm", "rdma"])
 def test_pull_of_unpublished_version_times_out_naming_it(meshes, transport):
     sender, receivers = spawn(meshes, transport, timeout_s=2.0)
     try:
-        with pytest.raises(Exception, match=r"SyncTimeoutError.*version 7"):
-            receivers.pull.call(7).get()
+        with pytest.raises(Exception, match=r"SyncTimeoutError.*version 7: not published by the sender within 2.0s"):
+            receivers.pull.call(7).get(timeout=GET_S)
     finally:
-        receivers.shutdown_receiver.call().get()
-        sender.shutdown_sender.call_one().get()
+        receivers.shutdown_receiver.call().get(timeout=GET_S)
+        sender.shutdown_sender.call_one().get(timeout=GET_S)
 
 
 # -- in-process error paths (shm transport; the checks are transport independent) --

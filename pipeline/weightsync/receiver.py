@@ -8,6 +8,8 @@ import time
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
 from pipeline.weightsync.transport import ReceiverTransport, SyncHandle
 
+PULL_GRACE_S = 5.0  # how long after its own deadline a transport may take to raise, before pull cancels it
+
 
 def make_receiver(handle: SyncHandle, rank: int) -> ReceiverTransport:
     if handle.kind == "shm":
@@ -47,11 +49,16 @@ class WeightReceiver:
             raise VersionRegressionError(f"version {version}: receiver {self.rank} already has version {floor}")
         self._segment = None  # a failed pull leaves nothing loadable
         t0 = time.perf_counter()
+        # The transport keeps its own deadline (timeout_s) and raises naming what it waited for; this
+        # bound is the backstop, a grace later, so a normal timeout never cancels a read in flight.
+        backstop = self.timeout_s + PULL_GRACE_S
         try:
-            seg = await asyncio.wait_for(self.transport.fetch(version, self.timeout_s), self.timeout_s)
+            seg = await asyncio.wait_for(self.transport.fetch(version, self.timeout_s), backstop)
+        except SyncTimeoutError:
+            raise  # the transport's own, naming what it waited for (it is a TimeoutError too)
         except asyncio.TimeoutError:
             raise SyncTimeoutError(f"version {version}: pull over {self.handle.kind} by receiver {self.rank} "
-                                   f"did not finish within {self.timeout_s:.1f}s") from None
+                                   f"did not finish within {backstop:.1f}s") from None
         self.last_timing = {"pull_s": time.perf_counter() - t0}
         self._segment, self.pulled_version = seg, version
 
