@@ -21,8 +21,17 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m pipeline.run --config configs/tiny.yaml $(ARGS)
 
+# Two pytest processes, each with a fresh Monarch client: one process that has spawned and stopped
+# some hundreds of proc meshes stops answering on Monarch 0.7.0 (see docs/tests.md). Both halves run;
+# the target fails if either does.
+TESTS_A := $(wildcard tests/test_[a-m]*.py)
+TESTS_B := $(filter-out $(TESTS_A),$(wildcard tests/test_*.py))
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	@status=0; \
+	$(BIN)/python -m pytest -q $(TESTS_A) || status=1; \
+	$(BIN)/python -m pytest -q $(TESTS_B) || status=1; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) .cache outputs
