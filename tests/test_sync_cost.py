@@ -87,14 +87,14 @@ def test_cluster_file_missing_a_field_is_an_error_naming_it(tmp_path):
 
 def test_projection_orders_the_modes_as_the_model_says():
     cluster = load_cluster(REPO / "tools" / "plan_data" / "cluster_h100.json")
-    rows = {(r["model"], r["mode"], r["shadow"]): r for r in project(cluster)}
+    rows = {(r["model"], r["mode"]): r for r in project(cluster)}
     for m in cluster["models"]:
-        full = rows[(m, "sharded, full", False)]
-        d1, d3 = rows[(m, "sharded, delta 1%", False)], rows[(m, "sharded, delta 3%", False)]
-        assert d1["push_s"] < d3["push_s"] < full["push_s"] < rows[(m, "rank-0 gather, full", False)]["push_s"]
-        assert rows[(m, "sharded, full", True)]["stall_s"] == cluster["swap_s"] < full["stall_s"]
+        full = rows[(m, "sharded, full")]
+        d1, d3 = rows[(m, "sharded, delta 1%")], rows[(m, "sharded, delta 3%")]
+        assert d1["push_s"] < d3["push_s"] < full["push_s"] < rows[(m, "rank-0 gather, full")]["push_s"]
+        assert full["shadow_stall_s"] == cluster["swap_s"] < full["stall_s"]
         # every trainer GPU sends its 1/N share to each engine: bf16 bytes over N, times the engines
         mc = cluster["models"][m]
         assert full["out_bytes_per_rank"] == pytest.approx(2 * mc["params"] / mc["trainer_gpus"] * mc["engines"])
     # the whole 70B model in bf16 (140 GB) does not fit on one 80 GB GPU: the gather is flagged
-    assert not rows[("70B", "rank-0 gather, full", False)]["fits"]
+    assert not rows[("70B", "rank-0 gather, full")]["fits"]

@@ -115,19 +115,53 @@ def cmd_fit(a) -> int:
     fits = {}
     for t in dict.fromkeys(p["transport"] for p in points):
         pts = [p for p in points if p["transport"] == t]
-        fit = fit_transport(pts)
-        fit["spread"] = bootstrap(pts, a.resamples, a.seed)
-        fits[t] = fit
-        print(f"{t}: {len(pts)} pushes in {fit['cases']} cases; " + ", ".join(
-            f"{k} {fit['params'][k]:.4g} ({fit['spread'][k][0]:.4g}..{fit['spread'][k][1]:.4g})"
-            for k in FEATURES) + f"; R^2 {fit['r2']:.3f}, relative error median {fit['rel_err_median']:.1%} "
-            f"max {fit['rel_err_max']:.1%}", flush=True)
+        fits[t] = dict(fit_transport(pts), spread=bootstrap(pts, a.resamples, a.seed))
+    text = fit_table(fits, a.resamples)
+    print(text)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"source": f"tools/sync_cost.py fit {a.points}", "fits": fits}, indent=1))
+    out.write_text(json.dumps({"source": f"tools/sync_cost.py fit --points {a.points}", "fits": fits}, indent=1))
+    out.with_suffix(".md").write_text(text)
     plot_fit(points, fits, out.with_suffix(".png"))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}")
     return 0
+
+
+UNITS = {"fixed_s": ("fixed ms", 1e3), "per_rank_s": ("per rank ms", 1e3),
+         "per_transfer_s": ("per transfer µs", 1e6), "per_rank_byte_s": ("rank GB/s", None),
+         "per_byte_s": ("receiver GB/s", None)}
+"""How each coefficient is shown: a time in its unit, or a per-byte cost as its bandwidth (None)."""
+
+
+def _show(k: str, v: float) -> str:
+    name, scale = UNITS[k]
+    if scale is None:  # seconds per byte as GB/s; 0 s/B is a term the fit dropped
+        return "–" if v <= 0 else f"{1e-9 / v:.2f}"
+    return f"{v * scale:.3g}"
+
+
+def fit_table(fits: dict, resamples: int) -> str:
+    """Markdown: per transport the coefficients, (bootstrap 5..95%) [per-repeat min..max], and the fit's
+    quality beside the per-rank-only form's."""
+    lines = ["| transport | cases (pushes) | " + " | ".join(UNITS[k][0] for k in FEATURES) +
+             " | R² | rel. error median / max | per-rank-only form: R², max error |",
+             "|---|---:|" + "---:|" * len(FEATURES) + "---:|---:|---:|"]
+    for t, f in fits.items():
+        cells = []
+        for k in FEATURES:
+            lo, hi = f["spread"][k]
+            rlo, rhi = f["per_repeat"][k]
+            # a bandwidth's interval runs the other way round: the larger cost is the lower bandwidth
+            a, b = (_show(k, hi), _show(k, lo)) if UNITS[k][1] is None else (_show(k, lo), _show(k, hi))
+            ra, rb = (_show(k, rhi), _show(k, rlo)) if UNITS[k][1] is None else (_show(k, rlo), _show(k, rhi))
+            cells.append(f"{_show(k, f['params'][k])} ({a}..{b}) [{ra}..{rb}]")
+        ro = f["rank_only"]
+        lines.append(f"| {t} | {f['cases']} ({f['pushes']}) | " + " | ".join(cells) +
+                     f" | {f['r2']:.3f} | {f['rel_err_median']:.0%} / {f['rel_err_max']:.0%} | "
+                     f"{ro['r2']:.3f}, {ro['rel_err_max']:.0%} |")
+    lines.append(f"\n(x..y): 5th..95th percentile over {resamples} bootstrap resamples of each case's pushes; "
+                 "[x..y]: range over fits of each repeat alone; –: the term fitted to 0 (no measurable cost).")
+    return "\n".join(lines) + "\n"
 
 
 def plot_fit(points: list[dict], fits: dict, path: Path) -> None:

@@ -129,7 +129,7 @@ def load_cluster(path: str | Path) -> dict:
     return check_cluster(d, str(p))
 
 
-def _push(c: dict, m: dict, changed: float | None, shadow: bool) -> dict:
+def _push(c: dict, m: dict, changed: float | None) -> dict:
     """One push of model `m` on cluster `c`: a full push (changed None) or a delta of that fraction."""
     n, engines, t = m["trainer_gpus"], m["engines"], m["engine_gpus"]
     rank_elems, engine_elems = m["params"] / n, m["params"] / t
@@ -152,11 +152,12 @@ def _push(c: dict, m: dict, changed: float | None, shadow: bool) -> dict:
     weights_per_gpu = engine_elems * c["dtype_bytes"]
     return dict(out_bytes_per_rank=out_bytes, in_bytes_per_engine_gpu=in_bytes, transfers_per_rank=transfers,
                 pack_s=pack, wire_s=wire, apply_s=apply, push_s=pack + wire + apply,
-                stall_s=c["swap_s"] if shadow else apply,
+                stall_s=apply, shadow_stall_s=c["swap_s"],
                 aggregate_Bps=engines * m["params"] * c["dtype_bytes"] / (pack + wire + apply),
                 per_engine_gpu_Bps=in_bytes / wire,
-                fits=(2 if shadow else 1) * weights_per_gpu <= c["hbm_bytes"],
-                fits_note=f"{(2 if shadow else 1) * weights_per_gpu / 1e9:.0f} GB of weights per engine GPU")
+                fits=weights_per_gpu <= c["hbm_bytes"], shadow_fits=2 * weights_per_gpu <= c["hbm_bytes"],
+                fits_note=f"{weights_per_gpu / 1e9:.0f} GB of weights per engine GPU, "
+                          f"{2 * weights_per_gpu / 1e9:.0f} GB with shadow weights")
 
 
 def _gather(c: dict, m: dict) -> dict:
@@ -173,41 +174,47 @@ def _gather(c: dict, m: dict) -> dict:
     total = gather + pack + wire + apply
     return dict(out_bytes_per_rank=engines * model, in_bytes_per_engine_gpu=model / t, transfers_per_rank=transfers,
                 pack_s=gather + pack, wire_s=wire, apply_s=apply, push_s=total, stall_s=apply,
+                shadow_stall_s=None, shadow_fits=False,
                 aggregate_Bps=engines * model / total, per_engine_gpu_Bps=model / t / wire,
                 fits=model <= c["hbm_bytes"], fits_note=f"{model / 1e9:.0f} GB on rank 0")
 
 
 def project(c: dict) -> list[dict]:
-    """A row per model and mode: rank-0 gather, full, delta at each fraction; each without and with
-    shadow weights (the gather without only)."""
+    """A row per model and mode: rank-0 gather, full, delta at each fraction; `stall_s` without
+    shadow weights, `shadow_stall_s` with them (None for the gather: it has no second copy)."""
     rows = []
     for name, m in c["models"].items():
         head = dict(model=name, params=m["params"], trainer_gpus=m["trainer_gpus"], engines=m["engines"],
                     engine_gpus=m["engine_gpus"])
-        rows.append(dict(head, mode="rank-0 gather, full", shadow=False, **_gather(c, m)))
+        rows.append(dict(head, mode="rank-0 gather, full", **_gather(c, m)))
         for changed in (None, *c["delta_fractions"]):
-            for shadow in (False, True):
-                mode = "sharded, full" if changed is None else f"sharded, delta {changed:.0%}"
-                rows.append(dict(head, mode=mode, shadow=shadow, **_push(c, m, changed, shadow)))
+            mode = "sharded, full" if changed is None else f"sharded, delta {changed:.0%}"
+            rows.append(dict(head, mode=mode, **_push(c, m, changed)))
     return rows
 
 
 def projection_table(c: dict, rows: list[dict], published: list[tuple]) -> str:
     """Markdown: the projection per model and mode, then the published figures beside ours."""
-    lines = [f"Projected on paper for {c['name']} (tools/plan_data cluster file; {c['source']}). "
+    lines = [f"Projected on paper for {c['name']} (every parameter and its source: the cluster file). "
              "Nothing in this table was measured.", "",
-             "| model | trainer GPUs → engines × GPUs | mode | shadow | out GB / trainer GPU | in GB / engine GPU | "
-             "pack s | wire s | apply s | push s | stall s | aggregate TB/s | per engine GPU GB/s | memory |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| model | trainer GPUs → engines × GPUs | mode | out GB / trainer GPU | in GB / engine GPU | "
+             "pack s | wire s | apply s | push s | stall s: today / shadow | model TB/s delivered | "
+             "wire GB/s per engine GPU | memory |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for r in rows:
+        shadow = "–" if r["shadow_stall_s"] is None else \
+            (f"{r['shadow_stall_s']:.3f}" if r["shadow_fits"] else "no room")
+        mem = "fits" if r["fits"] else "DOES NOT FIT"
         lines.append(
             f"| {r['model']} | {r['trainer_gpus']} → {r['engines']} × {r['engine_gpus']} | {r['mode']} | "
-            f"{'yes' if r['shadow'] else 'no'} | {r['out_bytes_per_rank'] / 1e9:.2f} | "
-            f"{r['in_bytes_per_engine_gpu'] / 1e9:.2f} | {r['pack_s']:.3f} | {r['wire_s']:.3f} | {r['apply_s']:.3f} | "
-            f"{r['push_s']:.2f} | {r['stall_s']:.3f} | {r['aggregate_Bps'] / 1e12:.2f} | "
-            f"{r['per_engine_gpu_Bps'] / 1e9:.1f} | {'fits' if r['fits'] else 'DOES NOT FIT'}: {r['fits_note']} |")
-    lines += ["", "| published | what | model | figure | projected here |", "|---|---|---|---|---|"]
-    by = {(r["model"], r["mode"], r["shadow"]): r for r in rows}
+            f"{r['out_bytes_per_rank'] / 1e9:.2f} | {r['in_bytes_per_engine_gpu'] / 1e9:.2f} | {r['pack_s']:.3f} | "
+            f"{r['wire_s']:.3f} | {r['apply_s']:.3f} | {r['push_s']:.2f} | {r['stall_s']:.3f} / {shadow} | "
+            f"{r['aggregate_Bps'] / 1e12:.2f} | {r['per_engine_gpu_Bps'] / 1e9:.1f} | {mem}: {r['fits_note']} |")
+    lines += ["", "pack s: for the rank-0 gather, the gather and its pack. model TB/s delivered: engines × the "
+              "bf16 model over the push time (for a delta, the model it brings up to date). wire GB/s per engine "
+              "GPU: what an engine GPU receives over the wire time.",
+              "", "| published | what | model | figure | projected here |", "|---|---|---|---|---|"]
+    by = {(r["model"], r["mode"]): r for r in rows}
     for system, what, model, figure in published:
         lines.append(f"| {system} | {what} | {model} | {figure} | {_beside(system, c, by)} |")
     return "\n".join(lines) + "\n"
@@ -218,22 +225,22 @@ def _beside(system: str, c: dict, by: dict) -> str:
     names = list(c["models"])
     big = names[-1]
     if system.startswith("vLLM"):
-        r = by.get((big, "sharded, full", False))
+        r = by.get((big, "sharded, full"))
         return f"{big} full push {r['push_s']:.2f} s, {r['aggregate_Bps'] / 1e12:.2f} TB/s aggregate" if r else "–"
     if system.startswith("prime-rl"):
-        r = by.get((big, "sharded, full", False))
+        r = by.get((big, "sharded, full"))
         return f"{r['per_engine_gpu_Bps'] / 1e9:.1f} GB/s per engine GPU on the wire ({big})" if r else "–"
     if system.startswith("verl"):
         out = []
         for name in names[1:]:
-            full = by[(name, "sharded, full", False)]["push_s"]
-            gather = by[(name, "rank-0 gather, full", False)]["push_s"]
-            deltas = [by[(name, f"sharded, delta {f:.0%}", False)]["push_s"] for f in c["delta_fractions"]]
+            full = by[(name, "sharded, full")]["push_s"]
+            gather = by[(name, "rank-0 gather, full")]["push_s"]
+            deltas = [by[(name, f"sharded, delta {f:.0%}")]["push_s"] for f in c["delta_fractions"]]
             out.append(f"{name}: delta {min(deltas):.2f}-{max(deltas):.2f} s vs full {full:.2f} s "
                        f"({full / max(deltas):.0f}-{full / min(deltas):.0f}x), vs rank-0 gather {gather:.1f} s")
         return "; ".join(out)
     if system.startswith("cosmos"):
-        rs = [(n, by[(n, "sharded, full", False)]["stall_s"]) for n in names]
+        rs = [(n, by[(n, "sharded, full")]["stall_s"]) for n in names]
         return ("stall today " + ", ".join(f"{n} {s:.2f} s" for n, s in rs) +
                 f"; with shadow weights {c['swap_s'] * 1e3:.0f} ms (swap_s, assumed) at every size")
     return "–"
