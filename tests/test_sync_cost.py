@@ -43,7 +43,7 @@ def test_fit_recovers_known_overhead_and_bandwidth():
     assert fit["bandwidth"]["rank_Bps"] == pytest.approx(2e9, rel=1e-6)
     assert fit["r2"] == pytest.approx(1.0) and fit["rel_err_max"] < 1e-6
     # without the per-rank and receiver terms the same pushes fit worse: the comparison can tell
-    assert fit["rank_only"]["rel_err_max"] > 0.05
+    assert fit["short_form"]["rel_err_max"] > 0.05
 
 
 def test_noisy_fit_stays_close_and_its_spread_covers_the_truth():

@@ -1,19 +1,24 @@
 """A cost model of the weight push, fitted here and projected to a GPU cluster on paper.
 
-    # heavy (Monarch procs, real transports): in chunks under the lock, each bounded by --budget-s;
-    # a case already measured in --out is skipped, so the same command resumes where it stopped
-    flock /tmp/rl-heavy.lock env PYTHONPATH=$PWD .venv/bin/python tools/sync_cost.py measure --ranks 1 --transports shm
-    .venv/bin/python tools/sync_cost.py fit        # pure: the fit per transport, its spread, residuals, fit.png
+    # heavy (Monarch procs, real transports): under the lock, each run bounded by --budget-s (no new
+    # case after it); a case with --reps points in --out is skipped, so the same command resumes, and
+    # a larger --reps adds that many pushes more to every case
+    flock /tmp/rl-heavy.lock env PYTHONPATH=$PWD .venv/bin/python tools/sync_cost.py measure            # ~2 min
+    flock /tmp/rl-heavy.lock env PYTHONPATH=$PWD .venv/bin/python tools/sync_cost.py measure --reps 6   # 9 per case
+    .venv/bin/python tools/sync_cost.py fit        # pure: fit.json, fit.md (the table), fit.png
     .venv/bin/python tools/sync_cost.py project    # pure: 8B / 70B / 1T on tools/plan_data/cluster_h100.json
 
 measure  tools/sync_bench_ranks.RankMesh (N trainer-rank procs, each a WeightSender over its FSDP2
          shard of a Qwen3-shaped float32 dict, one receiver assembling the whole bf16 dict: the real
          transports) over a grid of dict sizes, bucket sizes and 1/2/4 ranks per transport; every
          timed push is one raw point (after a warm-up push per case) in --out (points.json).
-fit      per transport, non-negative least squares of the push time seen by the driver:
-             t = fixed + transfers_per_rank * per_transfer + bytes_per_rank / rank_bw + bytes / recv_bw
-         (pipeline/sim/push_model.py), with the spread of every parameter over bootstrap resamples
-         of the cases, R^2 and the relative errors; writes fit.json and fit.png (measured vs fitted).
+fit      per transport, non-negative least squares (relative error, case medians) of the push time
+         the driver sees (pipeline/sim/push_model.py):
+             t = fixed + N * per_rank + transfers_per_rank * per_transfer + bytes_per_rank / rank_bw
+                 + bytes / recv_bw
+         with every coefficient's spread (bootstrap of each case's pushes; fits of each repeat alone),
+         R², the relative errors, the short form's (no per-rank, no receiver term) beside;
+         fit.png: measured vs fitted.
 project  the same form with the cluster file's parameters (no local figure is used: a CPU, the TCP
          fallback and 2 shared cores say nothing about NCCL over InfiniBand), for 8B, 70B and 1T:
          full and delta pushes, with and without shadow weights, beside the published figures.
@@ -142,9 +147,9 @@ def _show(k: str, v: float) -> str:
 
 def fit_table(fits: dict, resamples: int) -> str:
     """Markdown: per transport the coefficients, (bootstrap 5..95%) [per-repeat min..max], and the fit's
-    quality beside the per-rank-only form's."""
+    quality beside the short form's."""
     lines = ["| transport | cases (pushes) | " + " | ".join(UNITS[k][0] for k in FEATURES) +
-             " | R² | rel. error median / max | per-rank-only form: R², max error |",
+             " | R² | rel. error median / max | short form (no per-rank, no receiver term): R², max error |",
              "|---|---:|" + "---:|" * len(FEATURES) + "---:|---:|---:|"]
     for t, f in fits.items():
         cells = []
@@ -155,7 +160,7 @@ def fit_table(fits: dict, resamples: int) -> str:
             a, b = (_show(k, hi), _show(k, lo)) if UNITS[k][1] is None else (_show(k, lo), _show(k, hi))
             ra, rb = (_show(k, rhi), _show(k, rlo)) if UNITS[k][1] is None else (_show(k, rlo), _show(k, rhi))
             cells.append(f"{_show(k, f['params'][k])} ({a}..{b}) [{ra}..{rb}]")
-        ro = f["rank_only"]
+        ro = f["short_form"]
         lines.append(f"| {t} | {f['cases']} ({f['pushes']}) | " + " | ".join(cells) +
                      f" | {f['r2']:.3f} | {f['rel_err_median']:.0%} / {f['rel_err_max']:.0%} | "
                      f"{ro['r2']:.3f}, {ro['rel_err_max']:.0%} |")

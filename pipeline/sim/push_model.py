@@ -19,8 +19,8 @@ The time is the one the trainer's driver sees, from the push call until every ra
 are done. Linear in its five coefficients (seconds; per rank; per transfer; per byte), fitted by
 non-negative least squares on relative residuals (a 4 MB push counts as much as a 400 MB one) to
 the median push of every case (ranks, size, bucket size), so one push slowed by other work on the
-machine does not pull the fit. `fit_transport` also fits the per-rank-only form (fixed, per
-transfer, per rank byte: no per-rank or receiver term) to show what those terms buy.
+machine does not pull the fit. `fit_transport` also fits the short form, fixed + per transfer +
+bytes per rank (no per-rank and no receiver term), to show what those two terms buy.
 
 A point (tools/sync_cost.py measure) is a mapping with at least POINT_KEYS; `load_points` checks them
 and names the point and key that is missing.
@@ -44,14 +44,14 @@ import numpy as np
 
 from pipeline.sim.fit import nnls
 
-__all__ = ["FEATURES", "RANK_ONLY", "POINT_KEYS", "PointsError", "load_points", "features", "predict", "fit_points",
+__all__ = ["FEATURES", "SHORT_FORM", "POINT_KEYS", "PointsError", "load_points", "features", "predict", "fit_points",
            "fit_transport", "bootstrap", "per_repeat", "medians"]
 
 FEATURES = ("fixed_s", "per_rank_s", "per_transfer_s", "per_rank_byte_s", "per_byte_s")
 """The coefficients, in order: seconds; per trainer rank; per transfer of a rank; per byte of the
 slowest rank; per byte received."""
-RANK_ONLY = ("fixed_s", "per_transfer_s", "per_rank_byte_s")
-"""The form without the per-rank and the receiver's terms."""
+SHORT_FORM = ("fixed_s", "per_transfer_s", "per_rank_byte_s")
+"""The short form: without the per-rank and the receiver's terms."""
 POINT_KEYS = ("transport", "ranks", "size_mb", "bucket_mb", "rep", "bytes_per_rank", "transfers_per_rank",
               "total_bytes", "e2e_s")
 
@@ -138,15 +138,15 @@ def _quality(params: dict[str, float], points: list[dict]) -> dict:
 def fit_transport(points: list[dict]) -> dict:
     """The fit of one transport's points: params (FEATURES), derived bandwidths (bytes/s; inf when a
     per-byte term fits to 0), quality (R², relative errors of the case medians, a row per case), the
-    per-rank-only form's quality for comparison, and the per-repeat fits' range."""
+    short form's quality for comparison, and the per-repeat fits' range."""
     params = fit_points(points)
     q = _quality(params, points)
-    rank_only = _quality(fit_points(points, RANK_ONLY), points)
+    short_form = _quality(fit_points(points, SHORT_FORM), points)
     bw = {"rank_Bps": 1 / params["per_rank_byte_s"] if params["per_rank_byte_s"] else math.inf,
           "recv_Bps": 1 / params["per_byte_s"] if params["per_byte_s"] else math.inf}
     return dict(params=params, bandwidth=bw, cases=len(q["cases_table"]), pushes=len(points), **q,
-                rank_only=dict(params=fit_points(points, RANK_ONLY), r2=rank_only["r2"],
-                               rel_err_median=rank_only["rel_err_median"], rel_err_max=rank_only["rel_err_max"]),
+                short_form=dict(params=fit_points(points, SHORT_FORM), r2=short_form["r2"],
+                               rel_err_median=short_form["rel_err_median"], rel_err_max=short_form["rel_err_max"]),
                 per_repeat=per_repeat(points))
 
 
