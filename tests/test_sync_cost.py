@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sim.push_cluster import ClusterFileError, check_cluster, load_cluster, project
+from pipeline.sim.costs import PushCosts
+from pipeline.sim.push_cluster import ClusterFileError, check_cluster, load_cluster, planner_push, project
 from pipeline.sim.push_model import FEATURES, PointsError, bootstrap, fit_transport, load_points, predict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,3 +99,9 @@ def test_projection_orders_the_modes_as_the_model_says():
         assert full["out_bytes_per_rank"] == pytest.approx(2 * mc["params"] / mc["trainer_gpus"] * mc["engines"])
     # the whole 70B model in bf16 (140 GB) does not fit on one 80 GB GPU: the gather is flagged
     assert not rows[("70B", "rank-0 gather, full")]["fits"]
+    # as the planner's push section, the same seconds: pack + transfer + load is the push, load the stall
+    row = rows[("8B", "sharded, full")]
+    for shadow, stall in ((False, row["stall_s"]), (True, cluster["swap_s"])):
+        push = PushCosts(**planner_push(cluster, row, shadow))
+        assert push.pack_s() + push.transfer_s() + push.load_s() == pytest.approx(row["push_s"] + shadow * stall)
+        assert push.load_s() == pytest.approx(stall)

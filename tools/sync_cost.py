@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.sim.push_cluster import PUBLISHED, load_cluster, project, projection_table  # noqa: E402
+from pipeline.sim.push_cluster import PUBLISHED, load_cluster, planner_push, project, projection_table  # noqa: E402
 from pipeline.sim.push_model import FEATURES, bootstrap, fit_transport, load_points  # noqa: E402
 from tools.sync_bench_ranks import RankMesh  # noqa: E402
 
@@ -201,6 +201,10 @@ def cmd_project(a) -> int:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text)
+        for r in rows:  # the planner's push section for each row (tools/plan.py simulate --costs ...)
+            r["planner_push"] = planner_push(cluster, r)
+            if r["shadow_stall_s"] is not None:
+                r["planner_push_shadow"] = planner_push(cluster, r, shadow=True)
         Path(a.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
     return 0
 

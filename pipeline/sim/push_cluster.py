@@ -51,10 +51,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
+from pipeline.sim.costs import PushCosts
+
 __all__ = ["ClusterFileError", "CLUSTER_KEYS", "MODEL_KEYS", "PUBLISHED", "load_cluster", "check_cluster",
-           "project", "projection_table"]
+           "project", "projection_table", "planner_push"]
 
 CLUSTER_KEYS = ("name", "source", "gpus_per_node", "hbm_bytes", "hbm_Bps", "nic_Bps", "nvlink_Bps",
                 "link_efficiency", "per_transfer_s", "fixed_s", "bucket_bytes", "load_Bps", "swap_s",
@@ -191,6 +194,20 @@ def project(c: dict) -> list[dict]:
             mode = "sharded, full" if changed is None else f"sharded, delta {changed:.0%}"
             rows.append(dict(head, mode=mode, **_push(c, m, changed)))
     return rows
+
+
+def planner_push(c: dict, row: dict, shadow: bool = False) -> dict:
+    """A projected row as the planner's cost-file `push` section (pipeline/sim/costs.py), so that
+    `tools/plan.py simulate` can run the cluster with it: `bytes` the bf16 model, the pack and the
+    wire as pack and transfer, the apply as the load (the engine stalls for it); with shadow weights
+    the apply joins the transfer (generation goes on) and the load is the swap."""
+    model = row["params"] * c["dtype_bytes"]
+    base = c["fixed_s"] + row["transfers_per_rank"] * c["per_transfer_s"]
+    moved = row["wire_s"] - base + (row["apply_s"] if shadow else 0.0)
+    load = (c["swap_s"], 0.0) if shadow else (0.0, row["apply_s"] / model)
+    return asdict(PushCosts(bytes=model, pack_base_s=0.0, pack_per_byte_s=row["pack_s"] / model,
+                            transfer_base_s=base, transfer_per_byte_s=moved / model,
+                            load_base_s=load[0], load_per_byte_s=load[1]))
 
 
 def projection_table(c: dict, rows: list[dict], published: list[tuple]) -> str:
