@@ -46,6 +46,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from pipeline.config import Config, load_config
 from pipeline.config import GeneratorConfig
 from pipeline.sim.costs import GeneratorCosts, costs_from_dict
+from pipeline.sim.fit import nnls
 from pipeline.sim.generator import SimGenerator, SimSample
 from pipeline.types import PromptGroup, PromptItem
 from tools.gen_bench import ListSource
@@ -97,18 +98,6 @@ class TimedSource(ListSource):
         """(rollouts received, first admit to last rollout, gaps between consecutive admits)."""
         gaps = [b - a for a, b in zip(self.admits, self.admits[1:])]
         return self.count, (self.t_last - self.t_first) if self.t_last and self.t_first else float("nan"), gaps
-
-
-def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (active set: drop the negative ones, refit)."""
-    free = list(range(X.shape[1]))
-    while True:
-        coef = np.zeros(X.shape[1])
-        coef[free] = np.linalg.lstsq(X[:, free], y, rcond=None)[0]
-        neg = [i for i in free if coef[i] < 0]
-        if not neg:
-            return coef
-        free.remove(min(neg, key=lambda i: coef[i]))
 
 
 async def measure_generator(cfg: Config, reps: int) -> list[dict]:

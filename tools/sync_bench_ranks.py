@@ -52,17 +52,20 @@ def fsdp_boxes(meta: dict[str, tuple[torch.dtype, tuple[int, ...]]], world: int)
 
 
 class ShardRank(Actor):
-    """One trainer rank: its float32 shard of the dict and its WeightSender."""
+    """One trainer rank: its float32 shard of a dict and its WeightSender (a new dict or transport per
+    `open`, so one set of procs serves many cases: spawning them is the slow part)."""
 
-    def __init__(self, meta: dict, world: int) -> None:
-        self.rank, self.meta, self.world = current_rank().rank, meta, world
-        self.boxes = fsdp_boxes(meta, world)
-        g = torch.Generator().manual_seed(self.rank)
-        self.shard = [torch.randn(size, generator=g) for _, _, size in self.boxes[self.rank]]
-        self.sender = None
+    def __init__(self, world: int) -> None:
+        self.rank, self.world = current_rank().rank, world
+        self.meta, self.shard, self.sender = None, [], None
 
     @endpoint
-    async def open(self, transport: str, bucket_mb: int) -> tuple:
+    async def open(self, meta: dict, transport: str, bucket_mb: int) -> tuple:
+        if meta != self.meta:
+            self.shard = []  # the old shard goes before the new one is made
+            self.meta, self.boxes = meta, fsdp_boxes(meta, self.world)
+            g = torch.Generator().manual_seed(self.rank)
+            self.shard = [torch.randn(size, generator=g) for _, _, size in self.boxes[self.rank]]
         self.base_kib = status_kib()["VmRSS"]  # the shard resident, no sender yet
         cfg = WeightSyncConfig(transport=transport, bucket_mb=bucket_mb, timeout_s=300.0)
         self.sender = WeightSender(cfg, self.meta, 1, holdings=self.boxes, rank=self.rank)
@@ -76,7 +79,8 @@ class ShardRank(Actor):
         await self.sender.push(self.shard, version)
         e2e = time.perf_counter() - t0
         peak = (status_kib()["VmHWM"] - self.base_kib) * 1024
-        return dict(self.sender.last_timing, peak=float(peak), push_s=e2e)
+        return dict(self.sender.last_timing, peak=float(peak), push_s=e2e,
+                    buckets=float(self.sender.shards.num_buckets(self.rank)))
 
     @endpoint
     async def close(self) -> None:
@@ -102,29 +106,62 @@ class Assembler(Actor):
         self.receiver.close()
 
 
+class RankMesh:
+    """`world` trainer-rank procs (a ShardRank each) and one receiver proc (an Assembler), reused
+    across cases until `stop`. `push_rows` runs one case: every rank opens its sender on `meta`
+    under `transport`, then `reps` + 1 pushes (the first a warm-up), each pulled by the receiver.
+
+    Example:
+        mesh = RankMesh(2)
+        try:
+            rows, shards = mesh.push_rows(meta, "shm", 16, reps=3)   # one row per (push, rank)
+        finally:
+            mesh.stop()
+    """
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._ranks_procs = this_host().spawn_procs(per_host={"procs": world})
+        self._recv_procs = this_host().spawn_procs(per_host={"procs": 1})
+        self.ranks = self._ranks_procs.spawn(f"shard_rank_{world}", ShardRank, world)
+        self.recv = self._recv_procs.spawn(f"assembler_{world}", Assembler)
+
+    def push_rows(self, meta: dict, transport: str, bucket_mb: int, reps: int) -> tuple[list[dict], list[int]]:
+        """Rows of every timed push and rank: the sender's timing (pack_s, bytes, send_s for
+        collective), peak, push_s, buckets (this rank's transfers), version, pull_s (the receiver's, from its
+        pull call to the whole dict assembled) and e2e_s (from the push call to every rank and the
+        receiver done, as the driver sees it); and each rank's shard bytes."""
+        opened = list(self.ranks.open.call(meta, transport, bucket_mb).get().values())
+        shards = [s for _, s in opened]
+        self.recv.open.call_one(merge_handles([h for h, _ in opened])).get()
+        rows = []
+        try:
+            for version in range(1, reps + 2):
+                t0 = time.perf_counter()
+                pushed = self.ranks.push.call(version)  # concurrent with the pull (collective needs both)
+                pull_s = self.recv.pull.call_one(version).get()
+                per_rank = list(pushed.get().values())
+                e2e = time.perf_counter() - t0
+                if version > 1:  # the first push is a warm-up
+                    rows += [dict(r, rank=i, version=version, pull_s=pull_s, e2e_s=e2e)
+                             for i, r in enumerate(per_rank)]
+        finally:
+            self.ranks.close.call().get()
+            self.recv.close.call_one().get()
+        return rows, shards
+
+    def stop(self) -> None:
+        self._ranks_procs.stop().get()
+        self._recv_procs.stop().get()
+
+
 def run(meta: dict, world: int, transport: str, bucket_mb: int, reps: int) -> dict:
     full = BucketPlan.from_state_dict(meta, bucket_mb << 20)
-    ranks_procs = this_host().spawn_procs(per_host={"procs": world})
-    recv_procs = this_host().spawn_procs(per_host={"procs": 1})
+    mesh = RankMesh(world)
     try:
-        ranks = ranks_procs.spawn(f"shard_rank_{transport}_{world}", ShardRank, meta, world)
-        recv = recv_procs.spawn(f"assembler_{transport}_{world}", Assembler)
-        opened = list(ranks.open.call(transport, bucket_mb).get().values())
-        handle = merge_handles([h for h, _ in opened])
-        shards = [s for _, s in opened]
-        recv.open.call_one(handle).get()
-        rows = []
-        for version in range(1, reps + 2):
-            pushed = ranks.push.call(version)  # concurrent with the pull (collective needs both)
-            pull_s = recv.pull.call_one(version).get()
-            per_rank = list(pushed.get().values())
-            if version > 1:  # the first push is a warm-up
-                rows += [dict(r, rank=i, pull_s=pull_s) for i, r in enumerate(per_rank)]
-        ranks.close.call().get()
-        recv.close.call_one().get()
+        rows, shards = mesh.push_rows(meta, transport, bucket_mb, reps)
     finally:
-        ranks_procs.stop().get()
-        recv_procs.stop().get()
+        mesh.stop()
     model = full.total_bytes
     bound = [shards[r["rank"]] + 2 * full.bucket_bytes for r in rows]
     peak = [r["peak"] / b for r, b in zip(rows, bound)]
