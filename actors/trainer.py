@@ -5,7 +5,7 @@
     handle = await trainer.sync_handle(num_receivers)  # once: every rank builds its WeightSender
     wv = await trainer.push_weights()                  # WeightVersion; returns once every rank packed
                                                        # (pipeline.weightsync.sync.WeightSync drives it)
-    ref = await trainer.weight_checksums(wv.version)   # weight_sync.verify: the packed snapshot's checksums
+    ref = await trainer.weight_checksums(wv.version)   # weight_sync.verify: every rank's shares, added
     await trainer.save(path, data_state) / await trainer.load(path) -> data_state
     v = await trainer.export_hf(out_dir)               # vLLM-loadable HF directory of version v
     await trainer.close()
@@ -38,6 +38,7 @@ from pipeline.config import Config, ConfigError, WeightSyncConfig
 from pipeline.placement import apply, describe, trainer_placement
 from pipeline.trainer.step import TrainCore
 from pipeline.types import Batch, WeightVersion
+from pipeline.weightsync.checksum import Checksum, combine
 from pipeline.weightsync.transport import merge_handles
 
 log = logging.getLogger(__name__)
@@ -157,13 +158,13 @@ class TrainerActor(Actor):
         return await self.sender.publish(tensors, core.version)
 
     @concurrent_endpoint  # beside the next train_step: it reads the packed slot, not the live weights
-    async def weight_checksums(self, version: int) -> dict[str, str] | None:
-        """Rank 0: HF name -> checksum (wire form, pipeline/weightsync/checksum.py) of the packed
-        snapshot of `version`, the weights the engines must serve (None elsewhere). Call it before
+    async def weight_checksums(self, version: int) -> dict[str, str]:
+        """This rank's share (wire form, pipeline/weightsync/checksum.py `of_box`) of the checksum of
+        each HF tensor it sends, from its packed snapshot of `version`: the driver's
+        `Trainer.weight_checksums` adds every rank's shares into the checksums of the weights the
+        engines must serve. No collective, so it may run beside the next train_step. Call it before
         the push of version + 1 starts (WeightSync does): that push's pack reuses no slot of
         `version`, but the one after it does."""
-        if self._c().par.rank != 0:
-            return None
         if self.sender is None:
             raise RuntimeError("trainer: weight_checksums before sync_handle(num_receivers)")
         sums = await asyncio.to_thread(self.sender.checksums, version)
@@ -247,7 +248,11 @@ class Trainer:
         return await self.call_all("push_weights", timeout=self.cfg.weight_sync.timeout_s)
 
     async def weight_checksums(self, version: int) -> dict[str, str]:
-        return await self.call_all("weight_checksums", version, timeout=self.cfg.weight_sync.timeout_s)
+        """HF name -> checksum (wire form) of the whole tensor of `version` the trainer pushed, added
+        from every rank's share of it (each rank checksums its own shards only)."""
+        shares = await self.call_all("weight_checksums", version, timeout=self.cfg.weight_sync.timeout_s, every=True)
+        whole = combine([{k: Checksum.from_wire(v) for k, v in s.items()} for s in shares])
+        return {k: v.to_wire() for k, v in whole.items()}
 
     async def close(self) -> None:
         await self.procs.stop()

@@ -2,7 +2,8 @@
 vocabulary) serves a bf16 trainer's push bit for bit as its worker reads it back (CPU kernel copies
 through the kernel), names a tensor corrupted in the engine, and the start-up corruption reaches every
 served tensor; then the CLI with chat prompts on shm and rdma verifies every push and reports the
-split mismatch metrics within bf16's noise.
+split mismatch metrics within bf16's noise, and with 2 trainer ranks (each checksumming its own shards)
+on collective verifies every push.
 
     flock /tmp/rl-heavy.lock .venv/bin/python -m pytest -q tests/test_verify.py
 """
@@ -89,7 +90,7 @@ def test_engine_serves_the_push_bit_for_bit_and_names_a_corrupted_tensor(restore
         check(ref, flipped, generator=0, version=1)
 
 
-def run_cli(transport: str, out) -> subprocess.CompletedProcess:
+def run_cli(transport: str, out, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
          f"model.hf_dir={ensure_checkpoint(qwen3_config(**SMALL), seed=0, cache_dir=REPO / '.cache' / 'qwen3')}",
@@ -97,7 +98,7 @@ def run_cli(transport: str, out) -> subprocess.CompletedProcess:
          "task.eval_prompts=0", "run.warm_start_steps=0", "run.steps=2", "run.eval_every=0", "run.progress=false",
          "run.checkpoint_every=0", "buffer.batch_groups=2", "buffer.group_size=2", "generator.concurrency=4",
          "generator.max_new_tokens=16", f"weight_sync.transport={transport}", "weight_sync.verify=every",
-         f"run.out_dir={out}"],
+         f"run.out_dir={out}", *extra],
         cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
@@ -114,3 +115,13 @@ def test_cli_run_verifies_every_push_bit_for_bit(transport, tmp_path):
     for r in rows:  # bf16 engines against a bf16 forward of the same weights: sampler noise only
         assert r["mismatch_cur_frac"] + r["mismatch_stale_frac"] == pytest.approx(1.0)
         assert r["mismatch_max"] < 0.1 and abs(r["kl_sampler_learner"]) < 0.02, r
+
+
+def test_cli_run_with_two_trainer_ranks_verifies_every_push_bit_for_bit(tmp_path):
+    """Each of 2 FSDP2 ranks checksums only its own packed shards; the driver adds their shares into
+    the reference every generator's served tensors are checked against (collective: a group per rank)."""
+    out = tmp_path / "run"
+    p = run_cli("collective", out, "trainer.num_ranks=2", "run.log_level=info")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
+    assert json.loads((out / "summary.json").read_text())["pushes"] == {"started": 2, "verified": 2}
+    assert "trainer rank 1/2" in p.stderr and p.stderr.count("verified bit for bit on 1 generator(s): 19 tensors") == 2

@@ -1,5 +1,6 @@
 """WeightSync's verify phase (weight_sync.verify) in-process: which pushes are verified, that only the
-first one corrupts first, and that a mismatch fails the push naming generator, tensor and version.
+first one corrupts first, and that a mismatch fails the push naming generator, tensor and version
+(also with the reference added from 2 and 4 trainer ranks' shares by the driver's real Trainer handle).
 
 The trainer and generators here are stand-ins with the actors' endpoint signatures (the ordering
 logic is what is tested; the real engines, trainer and CLI run in tests/test_verify.py).
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from pipeline.config import Config, WeightSyncConfig
-from pipeline.weightsync.checksum import of_dict
+from actors.trainer import Trainer
+from pipeline.weightsync.checksum import of_box, of_dict
 from pipeline.weightsync.sync import SyncError, WeightSync
 
 WEIGHTS = {"q": torch.randn(4, 8).bfloat16(), "k": torch.randn(2, 8).bfloat16(), "norm": torch.randn(8).bfloat16()}
@@ -28,6 +30,9 @@ class Call:
         self.fn = fn
 
     async def call_one(self, *args):
+        return await self.fn(*args)
+
+    async def call(self, *args):  # a mesh endpoint: every rank's answer, by rank
         return await self.fn(*args)
 
 
@@ -120,3 +125,39 @@ def test_a_mismatch_with_a_supervisor_takes_the_generator_out_like_a_failed_load
     push_all(sync, [1])
     assert gens[1] is None and gens[0] is not None and sync.served == {0: 1}  # the live list, taken out
     assert reports and reports[0][0] == 1 and "norm" in reports[0][1] and "version 1" in reports[0][1]
+
+
+class ShardedMesh:
+    """The trainer mesh's endpoints on `ranks` ranks holding uneven row shards (a rank may hold none of a
+    tensor): each rank answers its shares, as TrainerActor does, and the real driver-side Trainer adds them."""
+
+    SPLITS = {2: [0, 0.3, 1], 4: [0, 0.1, 0.45, 0.7, 1]}
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.weight_checksums, self.push_weights = Call(self.shares), Call(self.packed)
+
+    async def packed(self):
+        return {r: None for r in range(self.ranks)}
+
+    async def shares(self, version: int):
+        out = {r: {} for r in range(self.ranks)}
+        for k, w in WEIGHTS.items():
+            cuts = [round(w.shape[0] * f) for f in self.SPLITS[self.ranks]]
+            for r, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                if b > a:
+                    out[r][k] = of_box(w[a:b], (a,) + (0,) * (w.dim() - 1), w.shape).to_wire()
+        return out
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sharded_trainer_ranks_are_verified_and_a_mismatch_names_generator_tensor_and_version(ranks):
+    c = dataclasses.replace(cfg("every"), trainer=dataclasses.replace(Config().trainer, num_ranks=ranks))
+    trainer = Trainer(c, procs=None, mesh=ShardedMesh(ranks))
+    sync = WeightSync(trainer, [FakeGenerator(), FakeGenerator()], c)
+    push_all(sync, [1, 2])
+    assert sync.verified_pushes == 2
+    sync = WeightSync(trainer, [FakeGenerator(), FakeGenerator(bad="qk")], c)
+    with pytest.raises(SyncError, match=r"generator1 does not serve weight version 1 bit for bit: 1 tensor\(s\) "
+                                        r"differ.*qk \(= q \+ k\): served checksum"):
+        push_all(sync, [1])

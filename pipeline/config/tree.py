@@ -64,10 +64,6 @@ class Config:
             check(g.tensor_parallel_size == 1, "weight_sync.verify", self.weight_sync.verify,
                   f"'off' with generator.tensor_parallel_size={g.tensor_parallel_size} (verify reads one "
                   "worker's parameters: tensor_parallel_size 1 only)")
-            check(self.trainer.num_ranks == 1, "weight_sync.verify", self.weight_sync.verify,
-                  f"'off' with trainer.num_ranks={self.trainer.num_ranks} (the reference checksums are taken "
-                  "from one sender's packed slot; with the sharded push each rank's slot holds its own shards "
-                  "only, and composing their checksums is not built yet)")
         if self.trainer.correction == "mis_balance":  # one behaviour policy per sample, or no mixture to weight
             check(self.run.mode == "sync" or (g.on_update == "drain" and g.carry_over == "keep"),
                   "trainer.correction", "mis_balance", "with consistent rollouts only: generator.on_update=drain "

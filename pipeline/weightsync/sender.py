@@ -13,7 +13,7 @@ import torch
 from pipeline.config import WeightSyncConfig
 from pipeline.types import WeightVersion
 from pipeline.weightsync import segment as seg
-from pipeline.weightsync.checksum import Checksum, of_dict
+from pipeline.weightsync.checksum import Checksum, add, of_box
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
 from pipeline.weightsync.plan import BucketPlan
 from pipeline.weightsync.shard_plan import Box, ShardPlan
@@ -126,17 +126,23 @@ class WeightSender:
         return slot_idx
 
     def checksums(self, version: int) -> dict[str, Checksum]:
-        """Checksums of the packed snapshot of `version` per HF name (pipeline/weightsync/checksum.py):
-        what receivers read, the trainer's weights cast to the engines' dtype. Valid until the slot is
-        reused (publish of version + 2); a read the next pack overlapped raises TornReadError."""
+        """This rank's share of the checksum of each HF tensor it sends (pipeline/weightsync/checksum.py
+        `of_box`), from the packed snapshot of `version`: what receivers read, the trainer's weights
+        cast to the engines' dtype. `checksum.combine` over every rank's shares gives each whole
+        tensor's checksum (one rank holding whole tensors: its shares are those). Valid until the
+        slot is reused (publish of version + 2); a read the next pack overlapped raises TornReadError."""
         if version not in self._slot_of:
             raise WeightSyncError(f"version {version}: checksums() of a version not packed last "
                                   f"(last packed {self._last_version})")
         slot = self.transport.slots[self._slot_of[version]]
-        where = f"sender slot {self._slot_of[version]}"
-        seg.check_header(slot.header, version, self.plan.hash_int, where)
-        out = of_dict(self.plan.unpack(slot.data, version))
-        seg.check_header(slot.header, version, self.plan.hash_int, where, after_read=True)
+        where = f"trainer rank {self.rank}'s sender slot {self._slot_of[version]}"
+        shape = {e.name: e.shape for e in self.plan.entries}
+        seg.check_header(slot.header, version, self.shards.header_hash_int, where)
+        out: dict[str, Checksum] = {}
+        for p, view in self.shards.views(self.rank, slot.data):
+            c = of_box(view, p.start, shape[p.name])
+            out[p.name] = add([out[p.name], c]) if p.name in out else c
+        seg.check_header(slot.header, version, self.shards.header_hash_int, where, after_read=True)
         return out
 
     async def send(self, version: int) -> WeightVersion:

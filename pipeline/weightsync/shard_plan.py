@@ -233,6 +233,10 @@ class ShardPlan:
             object.__setattr__(self, "_idx", idx)
         return idx
 
+    def views(self, rank: int, flat: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+        """Each piece rank `rank` sends, as a view of its flat space `flat` (plan dtype, box shape)."""
+        return [(p, self._view(flat, p)) for p in self.pieces_of(rank)]
+
     def pack(self, rank: int, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
              version: int | None = None) -> int:
         """Copy rank `rank`'s holdings (`tensors[i]` holds box i, any dtype: the copy casts to the

@@ -2,11 +2,12 @@
 serves, corrupt what it serves, and check a served set against the trainer's.
 
 The worker side is `pipeline/weightsync/served.py` (vLLM worker extension); the trainer's side is
-`WeightSender.checksums` (the packed snapshot of a version: the master cast to the engine's dtype);
+`WeightSender.checksums` (each trainer rank's share of every tensor's checksum, from its packed
+snapshot of a version: the master cast to the engine's dtype), added up by `checksum.combine`;
 `pipeline/weightsync/sync.py` decides which pushes are verified and fails a push on a mismatch.
 
 Example:
-    ref = sender.checksums(v)                                   # trainer rank 0, per HF name
+    ref = combine([s.checksums(v) for s in senders])           # trainer: every rank's shares, added
     served = await served_checksums(llm, timeout_s=60)          # generator, after the load of v
     check(ref, served, generator=0, version=v)                  # raises VerifyError naming the tensor
     await corrupt_served(llm, timeout_s=60)                     # start-up: every served byte now wrong
