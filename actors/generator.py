@@ -7,8 +7,10 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     await gens.attach_weights.call(handle)                         # builds (or replaces) the WeightReceiver
     await gens.attach_reward_model.call(rm)                        # with reward_model.path: score with it
     await gens.start_generation.call(buf)                          # N' requests in flight from buf.admit()
-    await gens.stage_weights.call(v)                               # transport -> staging; generation goes on
+    await gens.stage_weights.call(v)                               # transport -> staging (shadow_weights: and
+                                                                   # into the shadow copy); generation goes on
     await gens.apply_weights.call(v)                               # on_update strategy around the vLLM load
+                                                                   # (shadow_weights: around the swap)
     await gens.end_stage.call()                                    # carry_over: keep running | save partials
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
     await gens.stats.call_one()                                    # version, in-flight, tokens/s, pauses...
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -142,12 +145,24 @@ class GeneratorActor(Actor):
         if self.receiver is None:
             raise RuntimeError(f"generator {self.core.gid}: stage_weights before attach_weights")
         await self.receiver.pull(version)
+        if self._shadow:  # the engine's worker loads it into its second copy while generation goes on
+            from pipeline.weightsync import load_shadow
+
+            engine = self.core.engine
+            self.receiver.last_timing["shadow_load_s"] = await engine.control(
+                load_shadow(engine.llm, self.receiver, version, self.cfg.weight_sync.timeout_s), "shadow load",
+                math.inf, "weight_sync.timeout_s")
         return self.receiver.last_timing["pull_s"]
+
+    @property
+    def _shadow(self) -> bool:
+        """Whether full-weight pushes go through the engine's shadow copy (generator.shadow_weights)."""
+        return self.cfg.generator.shadow_weights and not self.cfg.trainer.lora.rank
 
     @endpoint
     async def apply_weights(self, version: int, on_update: str | None = None) -> int:
         """Load the staged `version` into vLLM under the on_update strategy; returns the served version."""
-        from pipeline.weightsync import load_into_vllm
+        from pipeline.weightsync import load_into_vllm, swap_into_vllm
 
         self.core.check()
         if self.receiver is None:
@@ -156,8 +171,9 @@ class GeneratorActor(Actor):
         if self.cfg.trainer.lora.rank:  # the push carries adapters: a new LoRA of the engine (pipeline/lora.py)
             return await self.core.update(
                 version, lambda: self.core.load_lora(self.receiver, version, timeout_s), on_update)
+        load = swap_into_vllm if self._shadow else load_into_vllm  # the swap: staged into the copy already
         return await self.core.update(
-            version, lambda: load_into_vllm(self.core.engine.llm, self.receiver, version, timeout_s), on_update)
+            version, lambda: load(self.core.engine.llm, self.receiver, version, timeout_s), on_update)
 
     @endpoint
     async def version(self) -> int:

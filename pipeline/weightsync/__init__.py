@@ -6,9 +6,12 @@
     await asyncio.gather(sender.push(hf_sd, v), receiver.pull(v))            # per version
     await load_into_vllm(async_llm, receiver, v, timeout_s)                  # engine serves v
     req = await load_lora_into_vllm(async_llm, receiver, v, timeout_s, dir, lcfg, req)   # LoRA: adapters only
+    await load_shadow(async_llm, receiver, v, timeout_s)                     # shadow weights: while generating,
+    await swap_into_vllm(async_llm, receiver, v, timeout_s)                  # then swapped in (engine paused)
 
 See sender.py for the ordering contract, plan.py for the bucket layout, transport.py for the
-transport interface, vllm_engine.py for the receiving vLLM backend. `load_into_vllm` and
+transport interface, vllm_engine.py for the receiving vLLM backend, shadow.py / shadow_load.py for
+shadow weights (generator.shadow_weights). `load_into_vllm` and
 `vllm_engine_kwargs` import vLLM lazily, so trainer processes never load it.
 """
 
@@ -18,11 +21,12 @@ from pipeline.weightsync.load import WeightLoadError, load_into_vllm, load_lora_
 from pipeline.weightsync.plan import BucketPlan, PlanEntry
 from pipeline.weightsync.receiver import WeightReceiver
 from pipeline.weightsync.sender import WeightSender
+from pipeline.weightsync.shadow_load import load_shadow, read_served, swap_into_vllm
 from pipeline.weightsync.transport import SyncHandle
 from pipeline.weightsync.vllm_plugin import BACKEND as VLLM_BACKEND
 
 __all__ = [
     "BucketPlan", "PlanEntry", "WeightSender", "load_lora_into_vllm", "WeightReceiver", "SyncHandle", "load_into_vllm",
-    "vllm_engine_kwargs", "VLLM_BACKEND", "WeightSyncError", "PlanMismatchError", "ShortBufferError",
+    "load_shadow", "swap_into_vllm", "read_served",    "vllm_engine_kwargs", "VLLM_BACKEND", "WeightSyncError", "PlanMismatchError", "ShortBufferError",
     "SyncTimeoutError", "TornReadError", "TransportError", "VersionRegressionError", "WeightLoadError",
 ]

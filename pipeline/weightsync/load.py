@@ -10,8 +10,10 @@ from pipeline.weightsync.vllm_plugin import BACKEND
 
 
 def vllm_engine_kwargs() -> dict:
-    """Extra `AsyncEngineArgs` / `LLM` kwargs that enable this backend in the engine."""
-    return {"weight_transfer_config": {"backend": BACKEND}}
+    """Extra `AsyncEngineArgs` / `LLM` kwargs that enable this backend in the engine, and the worker
+    methods of shadow weights (weightsync/shadow.py; they allocate nothing until first used)."""
+    return {"weight_transfer_config": {"backend": BACKEND},
+            "worker_extension_cls": "pipeline.weightsync.shadow.ShadowWorker"}
 
 
 async def pause_keep(engine) -> None:
@@ -60,14 +62,14 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
     try:
         await asyncio.wait_for(run(), timeout_s)
     except BaseException as e:
-        await _load_failed(engine, version, e, f"loading into vLLM (segment {segment})", timeout_s)
+        await load_failed(engine, version, e, f"loading into vLLM (segment {segment})", timeout_s)
     served = await engine.get_weight_version()
     if served != str(version):
         raise WeightLoadError(f"version {version}: engine reports weight version {served!r} after loading")
     receiver.loaded_version = version
 
 
-async def _load_failed(engine, version: int, e: BaseException, what: str, timeout_s: float) -> None:
+async def load_failed(engine, version: int, e: BaseException, what: str, timeout_s: float) -> None:
     """Raise the error of a failed load, after making the engine stop claiming any version: it may hold
     a mix of old and new weights."""
     await _mark_invalid(engine, version)
@@ -131,7 +133,7 @@ async def load_lora_into_vllm(engine, receiver: WeightReceiver, version: int, ti
         req = await asyncio.wait_for(run(), timeout_s)
     except BaseException as e:
         remove_dir(path)
-        await _load_failed(engine, version, e, f"adding the LoRA adapter in {path}", timeout_s)
+        await load_failed(engine, version, e, f"adding the LoRA adapter in {path}", timeout_s)
     if previous is not None:  # its directory stays: a request still naming it reloads it from there
         await asyncio.wait_for(engine.remove_lora(previous.lora_int_id), timeout_s)
     receiver.loaded_version = version
