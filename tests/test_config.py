@@ -144,3 +144,12 @@ def test_a_checkpoint_recording_removed_keys_still_resumes(tmp_path, caplog):
                                          [f"run.out_dir={tmp_path}", "run.resume=latest", "trainer.lr=5e-4"]))
     assert cfg.run.resume == str(path)
     assert "trainer.lr=0.0005" in caplog.text and "top_p" not in caplog.text and "weight_sync.backend" not in caplog.text
+
+
+def test_shadow_weights_is_a_bool_and_refused_with_lora():
+    assert load_config(REPO / "configs" / "tiny.yaml", ["generator.shadow_weights=true"]).generator.shadow_weights
+    with pytest.raises(ConfigError, match="generator.shadow_weights"):
+        load_config(REPO / "configs" / "tiny.yaml", ["generator.shadow_weights=sometimes"])
+    with pytest.raises(ConfigError, match="generator.shadow_weights.*lora"):
+        load_config(REPO / "configs" / "tiny.yaml", ["generator.shadow_weights=true", "trainer.lora.rank=8",
+                                                     "generator.on_update=abort"])
