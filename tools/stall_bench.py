@@ -41,15 +41,15 @@ from pipeline.weightsync.load import pause_keep  # noqa: E402
 SIZES = ("tiny", "100m", "qwen3-0.6b")
 
 
-def model_dir(size: str) -> tuple[str, str]:
-    """(checkpoint dir, dtype) of a size, built locally once."""
+def model_dir(size: str) -> tuple[str, str, int]:
+    """(checkpoint dir, dtype, context length) of a size, built locally once."""
     if size == "qwen3-0.6b":
         from pipeline.qwen3_checkpoint import ensure_checkpoint, qwen3_config
-        return str(ensure_checkpoint(qwen3_config(), seed=0)), "bfloat16"
+        return str(ensure_checkpoint(qwen3_config(), seed=0)), "bfloat16", 1024
     from pipeline.model import ensure_tiny_assets
     tiny = TinyModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048) if size == "100m" \
         else TinyModelConfig()
-    return str(ensure_tiny_assets(ModelConfig(tiny=tiny))), "float32"
+    return str(ensure_tiny_assets(ModelConfig(tiny=tiny))), "float32", 256
 
 
 def state_dict(hf_dir: str) -> dict:
@@ -76,8 +76,13 @@ class Busy:
         self.tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
 
     async def decoding(self, tokens: int) -> None:
+        """Until every request has `tokens` outputs (a finished one raises: its runway was too short)."""
         while min(len(a) for a in self.arrivals) < tokens:
-            await asyncio.sleep(0.005)
+            done = [t for t in self.tasks if t.done()]
+            if done:
+                raise RuntimeError(f"stall_bench: a busy request ended after {min(len(a) for a in self.arrivals)} "
+                                   f"outputs ({done[0].exception()!r}); the update outlasted its runway")
+            await asyncio.sleep(0.005)  # the requests' own outputs arrive on this loop
 
     async def stop(self) -> None:
         for t in self.tasks:
@@ -101,11 +106,11 @@ async def run_size(size: str, reps: int) -> list[dict]:
 
     from pipeline.generator.engine import stop_engine
 
-    hf_dir, dtype = model_dir(size)
+    hf_dir, dtype, max_len = model_dir(size)
     sd = state_dict(hf_dir)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=hf_dir, dtype=dtype, enforce_eager=True, max_model_len=1024, enable_prefix_caching=False, seed=0,
+        model=hf_dir, dtype=dtype, enforce_eager=True, max_model_len=max_len, enable_prefix_caching=False, seed=0,
         **vllm_engine_kwargs()))
     sender = WeightSender(WeightSyncConfig(transport="shm", bucket_mb=64, timeout_s=600), sd, num_receivers=1)
     receiver = WeightReceiver(sender.handle(), rank=0)
@@ -115,7 +120,7 @@ async def run_size(size: str, reps: int) -> list[dict]:
             for rep in range(reps + 1):  # the first is a warm-up (shadow on: it allocates the copy)
                 version += 1
                 await asyncio.gather(sender.push(sd, version), receiver.pull(version))
-                busy = Busy(llm, 4, 1000)
+                busy = Busy(llm, 4, max_len - 8)
                 await busy.decoding(5)
                 tl0 = time.monotonic()
                 if shadow:

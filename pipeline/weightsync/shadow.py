@@ -73,8 +73,9 @@ def _forward_context_layers(vllm_config) -> dict[int, str]:
 def _rebind(obj, old: torch.nn.Module, new: torch.nn.Module) -> None:
     """Methods in a tensor's attributes bound to `old` (weight loaders) are bound to `new`; layerwise
     loading wrappers are unwrapped (they close over `old`'s reload state)."""
-    if "weight_loader" in obj.__dict__:
-        obj.__dict__["weight_loader"] = _get_original_loader(obj)
+    # a plain Parameter keeps its loader in __dict__; vLLM's BasevLLMParameter behind a property
+    if "weight_loader" in obj.__dict__ or "_weight_loader" in obj.__dict__:
+        obj.weight_loader = _get_original_loader(obj)
     for key, value in list(obj.__dict__.items()):
         if isinstance(value, MethodType) and value.__self__ is old:
             obj.__dict__[key] = value.__func__.__get__(new)
