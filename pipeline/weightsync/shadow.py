@@ -190,18 +190,23 @@ class ShadowWeights:
         self.copy_tensors = not vllm_config.model_config.enforce_eager
         self.shadow: ShadowModel | None = None
         self.ready: int | None = None  # the version the copy holds complete
-        self._thread: threading.Thread | None = None
+        self._done: threading.Event | None = None  # set once the last load's work is over
+
+    def _running(self) -> bool:
+        """Whether a load is still at work. Not the thread's liveness: a load that has reported is done
+        though its thread may still be writing the FIFO, and the swap follows that report at once."""
+        return self._done is not None and not self._done.is_set()
 
     def begin(self, transfer_engine, update_info: dict, fifo: str) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        if self._running():
             raise RuntimeError(f"version {update_info.get('version')}: a shadow load is still running")
         info = transfer_engine.parse_update_info(update_info)
         self.ready = None
-        self._thread = threading.Thread(target=self._load, args=(transfer_engine, info, fifo),
-                                        name="mrl-shadow-load", daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
+        threading.Thread(target=self._load, args=(transfer_engine, info, fifo, self._done), name="mrl-shadow-load",
+                         daemon=True).start()
 
-    def _load(self, transfer_engine, info, fifo: str) -> None:
+    def _load(self, transfer_engine, info, fifo: str, done: threading.Event) -> None:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():  # grad mode is per thread
@@ -215,6 +220,7 @@ class ShadowWeights:
         except BaseException as e:  # the copy may be half loaded: dropped, rebuilt next time
             self.shadow = None
             msg = {"ok": False, "version": info.version, "error": f"{type(e).__name__}: {e}"}
+        done.set()
         try:
             fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # the generator holds the read end open
         except OSError:
@@ -226,13 +232,13 @@ class ShadowWeights:
 
     def drop(self) -> None:
         """Forget the copy: the next begin clones it afresh from the served model (as it is then)."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._running():
             raise RuntimeError("dropping the shadow copy while its load is still running")
         self.shadow, self.ready = None, None
 
     def swap(self, version: int) -> float:
         """Serve the copy (it must hold `version` complete); returns the seconds the swap took."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._running():
             raise RuntimeError(f"version {version}: the shadow load is still running")
         if self.ready != version or self.shadow is None:
             raise RuntimeError(f"version {version}: the shadow copy holds version {self.ready}, not {version}")
