@@ -7,8 +7,10 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
     await gens.attach_weights.call(handle)                         # builds (or replaces) the WeightReceiver
     await gens.attach_reward_model.call(rm)                        # with reward_model.path: score with it
     await gens.start_generation.call(buf)                          # N' requests in flight from buf.admit()
-    await gens.stage_weights.call(v)                               # transport -> staging; generation goes on
+    await gens.stage_weights.call(v)                               # transport -> staging (shadow_weights: and
+                                                                   # into the shadow copy); generation goes on
     await gens.apply_weights.call(v)                               # on_update strategy around the vLLM load
+                                                                   # (shadow_weights: around the swap)
     sums = await gens.served_checksums.call_one()                  # weight_sync.verify: what the engine serves
     await gens.end_stage.call()                                    # carry_over: keep running | save partials
     texts = await gens.generate_eval.call_one(prompts, 32)         # greedy, for held-out eval
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
@@ -37,6 +40,7 @@ from pipeline.generator.core import GeneratorCore
 from pipeline.placement import Placement, apply, generator_placements
 from pipeline.procs import descendants, me
 from pipeline.types import PromptGroup, Rollout
+from pipeline.weightsync import load_into_vllm, load_shadow, swap_into_vllm
 from pipeline.weightsync.verify import corrupt_served, served_checksums
 
 __all__ = ["GeneratorActor", "MeshSource", "stream_prefix"]
@@ -144,15 +148,26 @@ class GeneratorActor(Actor):
         if self.receiver is None:
             raise RuntimeError(f"generator {self.core.gid}: stage_weights before attach_weights")
         await self.receiver.pull(version)
+        if self._shadow:  # the engine's worker loads it into its second copy while generation goes on
+            engine = self.core.engine
+            self.receiver.last_timing["shadow_load_s"] = await engine.control(
+                load_shadow(engine.llm, self.receiver, version, self.cfg.weight_sync.timeout_s), "shadow load",
+                math.inf, "weight_sync.timeout_s")
         return self.receiver.last_timing["pull_s"]
+
+    @property
+    def _shadow(self) -> bool:
+        """Whether full-weight pushes go through the engine's shadow copy (generator.shadow_weights)."""
+        return self.cfg.generator.shadow_weights and not self.cfg.trainer.lora.rank
 
     @endpoint
     async def apply_weights(self, version: int, on_update: str | None = None, corrupt_first: bool = False) -> int:
         """Load the staged `version` into vLLM under the on_update strategy; returns the served version.
-        `corrupt_first` (weight_sync.verify's start-up check): every served weight is corrupted first,
-        inside the same pause, so no token is sampled from it and only the load can undo it."""
-        from pipeline.weightsync import load_into_vllm
-
+        With shadow weights the load is the swap of the copy stage_weights loaded. `corrupt_first`
+        (weight_sync.verify's start-up check): every served weight is corrupted first, inside the same
+        pause, so no token is sampled from it and only the load can undo it; with shadow weights the
+        corruption drops the copy too, and the copy is loaded again, under the pause, from a clone of
+        the corrupted weights (pipeline/weightsync/worker.py), so the swap serves only what the push wrote."""
         self.core.check()
         if self.receiver is None:
             raise RuntimeError(f"generator {self.core.gid}: apply_weights before attach_weights")
@@ -165,7 +180,12 @@ class GeneratorActor(Actor):
         async def load() -> None:
             if corrupt_first:
                 await corrupt_served(llm, timeout_s)
-            await load_into_vllm(llm, self.receiver, version, timeout_s)
+                if self._shadow:  # the copy staged before the corruption is gone: load a clone of the corrupted one
+                    await load_shadow(llm, self.receiver, version, timeout_s)
+            if self._shadow:  # staged into the copy already: the swap
+                await swap_into_vllm(llm, self.receiver, version, timeout_s)
+            else:
+                await load_into_vllm(llm, self.receiver, version, timeout_s)
 
         return await self.core.update(version, load, on_update)
 

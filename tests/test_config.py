@@ -162,3 +162,12 @@ def test_weight_sync_verify_reads_off_every_or_a_period(value, period, verified)
 def test_weight_sync_verify_refuses_bad_values_naming_the_key(overrides, why):
     with pytest.raises(ConfigError, match=re.escape("weight_sync.verify=") + r".*" + re.escape(why)):
         load_config(str(REPO / "configs/tiny.yaml"), overrides)
+
+
+def test_shadow_weights_is_a_bool_and_refused_with_lora():
+    assert load_config(REPO / "configs" / "tiny.yaml", ["generator.shadow_weights=true"]).generator.shadow_weights
+    with pytest.raises(ConfigError, match="generator.shadow_weights"):
+        load_config(REPO / "configs" / "tiny.yaml", ["generator.shadow_weights=sometimes"])
+    with pytest.raises(ConfigError, match="generator.shadow_weights.*lora"):
+        load_config(REPO / "configs" / "tiny.yaml", ["generator.shadow_weights=true", "trainer.lora.rank=8",
+                                                     "generator.on_update=abort"])

@@ -1,9 +1,10 @@
 """weight_sync.verify on real components: a vLLM engine on the shrunk Qwen3 checkpoint (bf16, the real
 vocabulary) serves a bf16 trainer's push bit for bit as its worker reads it back (CPU kernel copies
 through the kernel), names a tensor corrupted in the engine, and the start-up corruption reaches every
-served tensor; then the CLI with chat prompts on shm and rdma verifies every push and reports the
-split mismatch metrics within bf16's noise, and with 2 trainer ranks (each checksumming its own shards)
-on collective verifies every push.
+served tensor; with shadow weights the corruption drops the copy staged before it, so the swap
+serves only what the push wrote into a clone of the corrupted weights; then the CLI with chat prompts on
+shm and rdma verifies every push and reports the split mismatch metrics within bf16's noise, and with 2
+trainer ranks (each checksumming its own shards) on collective verifies every push.
 
     flock /tmp/rl-heavy.lock .venv/bin/python -m pytest -q tests/test_verify.py
 """
@@ -23,7 +24,8 @@ from pipeline.config import Config, ModelConfig, TrainerConfig, WeightSyncConfig
 from pipeline.generator.engine import stop_engine
 from pipeline.qwen3_checkpoint import ensure_checkpoint, qwen3_config
 from pipeline.trainer.step import TrainCore
-from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs
+from pipeline.weightsync import (WeightLoadError, WeightReceiver, WeightSender, load_into_vllm, load_shadow,
+                                 swap_into_vllm, vllm_engine_kwargs)
 from pipeline.weightsync.checksum import compare
 from pipeline.weightsync.verify import VerifyError, check, corrupt_served, served_checksums
 from tests.test_bf16 import one_rank, restored_environ  # noqa: F401  (fixtures)
@@ -70,10 +72,23 @@ def test_engine_serves_the_push_bit_for_bit_and_names_a_corrupted_tensor(restore
         served = await served_checksums(llm, 60)
         n = check(ref, served, generator=0, version=1)
         await llm.collective_rpc(flip_one_bit)
-        return ref, stale, served, n, await served_checksums(llm, 60)
+        flipped = await served_checksums(llm, 60)
+        # shadow weights: v2 loads into a copy of the served v1 at stage time; the start-up corruption
+        # drops that clean copy, so only a copy cloned from the corrupted weights can be swapped in
+        core.train_step(make_batch(core.model, mu_noise=0.1))
+        await asyncio.gather(sender.push(core.state.hf_state_dict(), 2), receiver.pull(2))
+        await load_shadow(llm, receiver, 2, 60)
+        await corrupt_served(llm, 60)
+        with pytest.raises(WeightLoadError, match="the shadow copy holds version None, not 2"):
+            await swap_into_vllm(llm, receiver, 2, 60)
+        await load_shadow(llm, receiver, 2, 60)
+        await swap_into_vllm(llm, receiver, 2, 60)
+        shadow_n = check(sender.checksums(2), await served_checksums(llm, 60), generator=0, version=2)
+        assert len(compare(ref, *await served_checksums(llm, 60))) >= 10  # v2 served, not v1
+        return ref, stale, served, n, flipped, shadow_n
 
     try:
-        ref, stale, served, n, flipped = loop.run_until_complete(run())
+        ref, stale, served, n, flipped, shadow_n = loop.run_until_complete(run())
     finally:
         receiver.close()
         sender.close()
@@ -83,7 +98,7 @@ def test_engine_serves_the_push_bit_for_bit_and_names_a_corrupted_tensor(restore
     assert parts["model.layers.0.self_attn.qkv_proj.weight"] == [
         f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     assert parts["lm_head.weight@kernel"] == ["model.embed_tokens.weight"]
-    assert n == len(tensors) == 19 and "model.layers.0.mlp.down_proj.weight" in tensors
+    assert n == shadow_n == len(tensors) == 19 and "model.layers.0.mlp.down_proj.weight" in tensors
     assert len(compare(ref, *stale)) >= 10  # a step moved most tensors, and the check sees it
     with pytest.raises(VerifyError, match=rf"generator0 does not serve weight version 1 bit for bit: 1 tensor\(s\) "
                                           rf"differ from the trainer's: {FLIPPED}: served checksum"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import torch
@@ -131,6 +132,76 @@ def test_failed_load_is_loud_unclaimed_and_recoverable(tiny_dir, engine, loop):
             ref = token_logprobs(model, torch.tensor([ids]))[0]
         assert loop.run_until_complete(engine.get_weight_version()) == "13"
         assert (vllm_logprobs(loop, engine, ids) - ref).abs().max().item() <= 1e-3
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_shadow_weights_load_while_generating_and_swap_bit_exact(tiny_dir, engine, loop):
+    """generator.shadow_weights: the version loads into the worker's second copy while a request keeps
+    producing tokens, the served model is untouched until the swap, and after it the served tensors
+    equal the pushed ones bit for bit (read back in the worker), logprobs match the trainer's, and the
+    running request's tokens carry the old version before the swap and the new one after it."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from pipeline.weightsync import load_shadow, read_served, swap_into_vllm
+    from pipeline.weightsync.load import pause_keep
+
+    model, adapter = build_model(tiny_dir)
+    ids = load_tokenizer(tiny_dir)(PROMPT + COMPLETION)["input_ids"]
+    hf_sd = export_hf(model, adapter)
+    sender = WeightSender(WeightSyncConfig(transport="shm", bucket_mb=1, timeout_s=60), hf_sd, num_receivers=1)
+    receiver = WeightReceiver(sender.handle(), rank=0)
+    old_version = loop.run_until_complete(engine.get_weight_version())  # "default", or an earlier test's
+    before = vllm_logprobs(loop, engine, ids)
+    try:
+        async def run():
+            version = 50
+            new_sd = perturbed(hf_sd, 21)
+            await asyncio.gather(sender.push(new_sd, version), receiver.pull(version))
+            arrivals: list[float] = []
+            seen = [0]  # tokens the request has delivered so far
+            final = None
+
+            async def long_request():
+                nonlocal final
+                sp = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True, seed=0)
+                async for out in engine.generate(TokensPrompt(prompt_token_ids=ids[:4]), sp, request_id="shadow-long"):
+                    arrivals.append(time.monotonic())
+                    seen[0] = len(out.outputs[0].token_ids)
+                    final = out
+
+            req = asyncio.ensure_future(long_request())
+            while len(arrivals) < 3:  # decoding
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            await load_shadow(engine, receiver, version, timeout_s=60)
+            t1 = time.monotonic()
+            during = sum(t0 < t <= t1 for t in arrivals)
+            assert await engine.get_weight_version() == old_version  # the copy is loaded, not served
+            await pause_keep(engine)
+            await swap_into_vllm(engine, receiver, version, timeout_s=60)
+            n_swap = seen[0]  # every token delivered by now was sampled before the pause
+            await engine.resume_generation()
+            await asyncio.wait_for(req, 120)
+            return version, new_sd, during, n_swap, final
+
+        version, new_sd, during, n_swap, final = loop.run_until_complete(run())
+        assert during >= 1, "no token was produced while the shadow copy loaded"
+        spans = [(s.version, s.start, s.end) for s in final.outputs[0].weight_versions]
+        assert [v for v, _, _ in spans] == [old_version, str(version)], spans
+        assert n_swap <= spans[1][1] < 200, (spans, n_swap)  # no token sampled before the swap is tagged new
+        names = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"]
+        served = loop.run_until_complete(read_served(engine, names))
+        for n in names:
+            assert torch.equal(served[n], new_sd[n].to(served[n].dtype)), n
+        model.load_state_dict(adapter.from_hf(dict(new_sd)), strict=False)
+        with torch.no_grad():
+            ref = token_logprobs(model, torch.tensor([ids]))[0]
+        after = vllm_logprobs(loop, engine, ids)
+        assert (after - ref).abs().max().item() <= 1e-3
+        assert (after - before).abs().max().item() > 1e-2, "vLLM still serves the old weights"
+        assert receiver.loaded_version == version
     finally:
         receiver.close()
         sender.close()

@@ -23,6 +23,10 @@ class GeneratorConfig:
     """Rollout strategy on a weight update: keep (pause, stale KV) | abort (re-prefill) | drain (one version per trajectory)."""
     rolling: bool = True
     """With several generators, update one at a time so generation never stops as a whole."""
+    shadow_weights: bool = False
+    """Load each pushed version into a second copy of the weights in the engine's worker while it
+    generates, and swap it in between two engine steps: an update pauses generation only for the swap
+    (ms) instead of the whole load. Costs one extra copy of the weights per engine (memory)."""
     carry_over: str = "keep"
     """At a stage end, unfinished requests keep running (keep) or are saved and resumed first (save)."""
     max_new_tokens: int = 16

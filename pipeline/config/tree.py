@@ -56,6 +56,9 @@ class Config:
             check(g.on_update != "keep", "generator.on_update", g.on_update,
                   "'abort' or 'drain' with trainer.lora.rank > 0: an engine switches LoRA adapters between "
                   "requests, so requests kept running through an update would go on with the old adapter")
+            check(not g.shadow_weights, "generator.shadow_weights", g.shadow_weights,
+                  "false with trainer.lora.rank > 0 (a push is a new adapter, loaded between requests: "
+                  "there is no weight load to hide)")
             check(self.trainer.tensor_parallel == 1, "trainer.tensor_parallel", self.trainer.tensor_parallel,
                   "1 with trainer.lora.rank > 0 (LoRA is not sharded over tensor parallel in this build)")
         if self.weight_sync.verify_every:  # served weights are compared per vLLM parameter of one worker

@@ -76,6 +76,7 @@ class Measure(Hook):
             "throughput/gen_tokens_per_s": sum(g["tokens_per_s"] for g in gens),
             "sync/latency_s": job.sync.last.get("total_s", float("nan")),
             "sync/verified_pushes": float(job.sync.verified_pushes),
+            "sync/update_pause_s": sum(g["pause_s_mean"] for g in gens) / len(gens) if gens else float("nan"),
             "version/generator": served, "version/lag": job.version - served,
             "carry/samples": float(sum(g["carried_samples"] for g in gens)),
             "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),

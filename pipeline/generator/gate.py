@@ -11,7 +11,9 @@ Ordering contract of `update(v, load, mode)`:
 With trainer.lora, a request that reached the engine during the update carries the old adapter and
 would run after resume under v's label: every training request still in the engine is aborted
 before resume and sent again.
-`load()` both loads v and labels the engine's later steps with it (load_into_vllm's finish does);
+`load()` both loads v and labels the engine's later steps with it (load_into_vllm's finish does; with
+generator.shadow_weights it is weightsync.swap_into_vllm: v was loaded into the worker's second copy
+while generating, at stage time, and only the swap and the label happen under the pause);
 the keep pause skips AsyncLLM's 20 ms courtesy sleep (weightsync.load.pause_keep), which would
 otherwise lengthen every update's stall. A failed update trips the generator's Fault and leaves the
 engine paused and the gate closed: every later call raises.

@@ -12,9 +12,10 @@ from pipeline.weightsync.vllm_plugin import BACKEND
 
 def vllm_engine_kwargs() -> dict:
     """Extra `AsyncEngineArgs` / `LLM` kwargs that enable this backend in the engine, and the worker
-    extension that reads back what it serves (weight_sync.verify, pipeline/weightsync/served.py)."""
+    extension (pipeline/weightsync/worker.py: served.py's read-back for weight_sync.verify and
+    shadow.py's second copy for generator.shadow_weights, which allocates nothing until first used)."""
     return {"weight_transfer_config": {"backend": BACKEND},
-            "worker_extension_cls": "pipeline.weightsync.served.ServedWeights"}
+            "worker_extension_cls": "pipeline.weightsync.worker.MonarchRLWorker"}
 
 
 async def pause_keep(engine) -> None:
@@ -63,7 +64,7 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
     try:
         await asyncio.wait_for(run(), timeout_s)
     except BaseException as e:
-        await _load_failed(engine, version, e, f"loading into vLLM (segment {segment})", timeout_s)
+        await load_failed(engine, version, e, f"loading into vLLM (segment {segment})", timeout_s)
     served = await engine.get_weight_version()
     if served != str(version):
         raise WeightLoadError(f"version {version}: engine reports weight version {served!r} after loading")
@@ -86,10 +87,10 @@ async def load_export(engine, hf_dir: str, version: int, timeout_s: float) -> No
     try:
         await asyncio.wait_for(run(), timeout_s)
     except BaseException as e:
-        await _load_failed(engine, version, e, f"loading the export {hf_dir} into vLLM", timeout_s)
+        await load_failed(engine, version, e, f"loading the export {hf_dir} into vLLM", timeout_s)
 
 
-async def _load_failed(engine, version: int, e: BaseException, what: str, timeout_s: float) -> None:
+async def load_failed(engine, version: int, e: BaseException, what: str, timeout_s: float) -> None:
     """Raise the error of a failed load, after making the engine stop claiming any version: it may hold
     a mix of old and new weights."""
     await _mark_invalid(engine, version)
@@ -153,7 +154,7 @@ async def load_lora_into_vllm(engine, receiver: WeightReceiver, version: int, ti
         req = await asyncio.wait_for(run(), timeout_s)
     except BaseException as e:
         remove_dir(path)
-        await _load_failed(engine, version, e, f"adding the LoRA adapter in {path}", timeout_s)
+        await load_failed(engine, version, e, f"adding the LoRA adapter in {path}", timeout_s)
     if previous is not None:  # its directory stays: a request still naming it reloads it from there
         await asyncio.wait_for(engine.remove_lora(previous.lora_int_id), timeout_s)
     receiver.loaded_version = version

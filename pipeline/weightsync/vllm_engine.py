@@ -48,25 +48,31 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
         super().__init__(config, vllm_config, device, model)
         self._segments: dict[str, segmod.Segment] = {}
         self._plans: dict[str, BucketPlan] = {}
-        self._loaded: set[str] = set()
         self._version: int | None = None
 
     def init_transfer_engine(self, init_info: MonarchRLInitInfo) -> None:
         pass
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self._loaded, self._version = set(), None
-        initialize_layerwise_reload(self.model)
+        self._version = None
+        start_reload(self.model)
 
     def receive_weights(self, info: MonarchRLUpdateInfo) -> None:
+        if info.hf_dir:
+            self._load_export(Path(info.hf_dir))
+        else:
+            self.load_into(self.model, info)
+        self._version = info.version
+
+    def finish_weight_update(self) -> None:
+        finish_reload(self.model, self.model_config, self._version)
+
+    def load_into(self, model: torch.nn.Module, info: MonarchRLUpdateInfo) -> None:
+        """Hand the staged segment's tensors (zero-copy views on CPU) to `model.load_weights`, armed for
+        layerwise reload (`start_reload`); the header is checked before and after, so a torn read raises.
+        `model` is the served one, or the shadow copy (pipeline/weightsync/shadow.py)."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        if info.hf_dir:
-            self._receive_export(Path(info.hf_dir))
-            self._version = info.version
-            return
         plan = self._plans.get(info.plan.get("hash", ""))
         if plan is None:
             plan = self._plans.setdefault(info.plan["hash"], BucketPlan.from_wire(info.plan))
@@ -75,12 +81,11 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
         segmod.check_header(seg.header, info.version, plan.hash_int, where)
         src = seg.data if self.device.type == "cpu" else seg.data.to(self.device, non_blocking=True)
         with disable_mtp_completeness_check():
-            self.model.load_weights(plan.unpack(src, info.version))
+            model.load_weights(plan.unpack(src, info.version))
         segmod.check_header(seg.header, info.version, plan.hash_int, where, after_read=True)
-        self._loaded.update(e.name for e in plan.entries)
-        self._version = info.version
 
-    def _receive_export(self, hf_dir: Path) -> None:
+    def _load_export(self, hf_dir: Path) -> None:
+        """Every *.safetensors of `hf_dir` into the served model (armed by `start_reload`)."""
         from safetensors.torch import load_file
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
@@ -91,44 +96,6 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
             sd = load_file(str(f), device=str(self.device))
             with disable_mtp_completeness_check():
                 self.model.load_weights(iter(sd.items()))
-            self._loaded.update(sd)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        unloaded = self._load_tied_layers()
-        finalize_layerwise_reload(self.model, self.model_config)
-        if unloaded:  # finalize put the old tensors back for these layers: a half-new model
-            raise PlanMismatchError(f"version {self._version}: layers received no weights and would keep "
-                                    f"old ones: {unloaded[:5]} ({len(unloaded)} in all)")
-
-    def _load_tied_layers(self) -> list[str]:
-        """Feed layers that got no weights but alias a reloaded one (tied lm_head); return the rest.
-
-        The model's `load_weights` skips a tied `lm_head`, and layerwise reload would then restore its
-        old kernel tensors (on CPU a separately packed copy), serving stale logits. We load it from
-        the live tensor it aliases so it is reprocessed like any other layer.
-        """
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-        armed, live = [], {}
-        for name, layer in self.model.named_modules():
-            info = get_layerwise_info(layer)
-            params = (info.kernel_tensors or ({}, {}))[0]
-            if info.can_load() and info.load_numel <= 0 and params and not is_deferred_attention_layer(layer):
-                armed.append((name, layer, params))
-            elif not info.can_load():  # processed: its parameters are live again
-                live.update((p.data_ptr(), p) for p in layer.parameters(recurse=False))
-        unloaded = []
-        for name, layer, params in armed:
-            if not all(p.data_ptr() in live for p in params.values()):
-                unloaded.append(name)  # buffers-only layers have no params, so never land here
-                continue
-            for pname, kernel in params.items():
-                param = getattr(layer, pname)
-                param.weight_loader(param, live[kernel.data_ptr()].detach().clone())
-        return unloaded
 
     def _segment(self, name: str, size: int) -> segmod.Segment:
         seg = self._segments.get(name)
@@ -142,3 +109,53 @@ class MonarchRLWeightTransferEngine(WeightTransferEngine[MonarchRLInitInfo, Mona
         for seg in self._segments.values():
             seg.close()
         self._segments.clear()
+
+
+def start_reload(model: torch.nn.Module) -> None:
+    """Arm every layer of `model` for vLLM's layerwise reload: its kernel tensors are kept, its
+    parameters go back to checkpoint format (on meta) and each layer is processed
+    (process_weights_after_loading: fused qkv / gate_up, CPU packing) once all its weights arrived."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def finish_reload(model: torch.nn.Module, model_config, version: int | None) -> None:
+    """Process what is left (tied layers, attention) and disarm; PlanMismatchError if a layer got no
+    weights and would keep its old ones."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    unloaded = load_tied_layers(model)
+    finalize_layerwise_reload(model, model_config)
+    if unloaded:  # finalize put the old tensors back for these layers: a half-new model
+        raise PlanMismatchError(f"version {version}: layers received no weights and would keep "
+                                f"old ones: {unloaded[:5]} ({len(unloaded)} in all)")
+
+
+def load_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Feed layers that got no weights but alias a reloaded one (tied lm_head); return the rest.
+
+    The model's `load_weights` skips a tied `lm_head`, and layerwise reload would then restore its
+    old kernel tensors (on CPU a separately packed copy), serving stale logits. We load it from
+    the live tensor it aliases so it is reprocessed like any other layer.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    armed, live = [], {}
+    for name, layer in model.named_modules():
+        info = get_layerwise_info(layer)
+        params = (info.kernel_tensors or ({}, {}))[0]
+        if info.can_load() and info.load_numel <= 0 and params and not is_deferred_attention_layer(layer):
+            armed.append((name, layer, params))
+        elif not info.can_load():  # processed: its parameters are live again
+            live.update((p.data_ptr(), p) for p in layer.parameters(recurse=False))
+    unloaded = []
+    for name, layer, params in armed:
+        if not all(p.data_ptr() in live for p in params.values()):
+            unloaded.append(name)  # buffers-only layers have no params, so never land here
+            continue
+        for pname, kernel in params.items():
+            param = getattr(layer, pname)
+            param.weight_loader(param, live[kernel.data_ptr()].detach().clone())
+    return unloaded
