@@ -76,6 +76,10 @@ def cmd_calibrate(a) -> int:
 
     if a.refit:
         refit(Path(a.out))
+    elif a.contention_only:
+        from tools.plan_contention import calibrate_contention
+
+        calibrate_contention(a.config, a.overrides, Path(a.out), a.reps)
     else:
         calibrate(a.config, a.overrides, Path(a.out), a.reps)
     return 0
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="tools/plan_data/costs_here.json")
     c.add_argument("--reps", type=int, default=3, help="repeats per measured case (medians are fitted)")
     c.add_argument("--refit", action="store_true", help="fit again from the waves recorded beside --out (light)")
+    c.add_argument("--contention-only", action="store_true",
+                   help="measure only the trainer/generator contention, into the existing --out (heavy, ~1 min)")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_calibrate)
     v = sub.add_parser("validate", help="simulate each tools/pipeline_bench.py run under RUNS and compare")
