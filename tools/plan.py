@@ -86,7 +86,7 @@ def cmd_calibrate(a) -> int:
 
 
 def cmd_validate(a) -> int:
-    return validate(Path(a.runs), a.costs, a.record, a.plot)
+    return validate(Path(a.runs), a.costs, a.record, a.plot, a.disturbed_above)
 
 
 def cmd_recommend(a) -> int:
@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--costs", required=True)
     v.add_argument("--record", help="write the comparison (and the real figures) to this JSON")
     v.add_argument("--plot", help="PNG of simulated vs real per configuration")
+    v.add_argument("--disturbed-above", type=float, default=0.0,
+                   help="leave out (and list) runs whose mean train call exceeds this many times the simulated one "
+                        "(other work on the trainer's core); 0: keep every run")
     v.set_defaults(fn=cmd_validate)
     r = sub.add_parser("recommend", help="generators per trainer rank, max_staleness, Δ bounds, update mode")
     r.add_argument("config")

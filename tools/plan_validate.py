@@ -83,20 +83,36 @@ def _sync_scaled(costs, real_sync: dict, pred_sync: dict):
             "admit_s")})), ft, fg
 
 
-def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "configs/tiny.yaml") -> dict:
-    """Real (medians over `runs[mode]`) against predicted, for the configuration CASES[name]."""
+def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "configs/tiny.yaml",
+            disturbed_above: float = 0.0) -> dict | None:
+    """Real (medians over `runs[mode]`) against predicted, for the configuration CASES[name]. With
+    disturbed_above > 0, a run whose mean train call is more than that many times the simulated one
+    (contention included) is left out and listed under "disturbed": the trainer's core was busy with
+    other work then (None if no run of a mode is left)."""
     extra, max_tokens = CASES[name]
     steps = 12
     case = {"name": name, "overrides": bench_overrides(extra, max_tokens, steps), "steps": steps,
-            "real": {}, "predicted": {}, "predicted_from_sync_arm": {}, "rows": {}}
+            "real": {}, "predicted": {}, "predicted_from_sync_arm": {}, "rows": {}, "disturbed": []}
     for mode in ("sync", "async"):
-        summaries = [real_summary(d) for d in runs[mode]]
-        case["real"][mode] = _median(summaries) | {"repeats": len(summaries)} | {
-            f"{k}_{f.__name__}": f(x[k] for x in summaries)
-            for k in ("tokens_per_s", "trainer_idle_frac", "dropped_frac", "train_s") for f in (min, max)}
         cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
         res = simulate(cfg, costs, workload_from_spec("task", cfg), steps=steps)
         s = res.summary()
+        kept = []
+        for d in runs[mode]:
+            x = real_summary(d)
+            if disturbed_above and x["train_s"] > disturbed_above * s["train_s"]:
+                case["disturbed"].append({"run": str(d), "train_s": x["train_s"], "predicted_train_s": s["train_s"],
+                                          "tokens_per_s": x["tokens_per_s"]})
+            else:
+                kept.append(d)
+        runs = {**runs, mode: kept}
+        if not kept:
+            print(f"{name}: every {mode} run disturbed: {case['disturbed']}")
+            return None
+        summaries = [real_summary(d) for d in kept]
+        case["real"][mode] = _median(summaries) | {"repeats": len(summaries)} | {
+            f"{k}_{f.__name__}": f(x[k] for x in summaries)
+            for k in ("tokens_per_s", "trainer_idle_frac", "dropped_frac", "train_s") for f in (min, max)}
         case["predicted"][mode] = {k: s[k] for k in KEYS} | {"staleness_hist": s["staleness_hist"]}
         case["rows"][mode] = {"simulated": res.rows_dicts(), "real": real_rows(runs[mode][0])}
     scaled, ft, fg = _sync_scaled(costs, case["real"]["sync"], case["predicted"]["sync"])
@@ -158,14 +174,18 @@ def collect(runs: Path, config: str = "configs/tiny.yaml") -> dict[str, dict[str
     return out
 
 
-def validate(runs: Path, costs_path: str, record: str | None, plot: str | None) -> int:
+def validate(runs: Path, costs_path: str, record: str | None, plot: str | None, disturbed_above: float = 0.0) -> int:
     costs = load_costs(costs_path)
-    cases = [compare(name, r, costs) for name, r in collect(runs).items()]
+    cases = [c for name, r in collect(runs).items() if (c := compare(name, r, costs, disturbed_above=disturbed_above))]
     if not cases:
         raise SystemExit(f"validate: no finished pipeline_bench runs named {sorted(CASES)} under {runs}")
     print(table(cases))
+    for c in cases:
+        for d in c["disturbed"]:
+            print(f"left out (disturbed): {d['run']}: train call {d['train_s']:.3f} s against {d['predicted_train_s']:.3f} "
+                  f"s simulated, {d['tokens_per_s']:.0f} tokens/s")
     if record:
-        Path(record).write_text(json.dumps({"costs": Path(costs_path).name, "cases": [
+        Path(record).write_text(json.dumps({"costs": Path(costs_path).name, "disturbed_above": disturbed_above, "cases": [
             {k: v for k, v in c.items() if k != "rows"} for c in cases]}, indent=1))
         print(f"wrote {record}")
     if plot:
