@@ -122,13 +122,12 @@ def test_prediction_within_tolerance_of_the_recorded_real_runs():
     """The configurations of tools/pipeline_bench.py measured here (tools/plan_data/validation.json,
     written by `tools/plan.py validate --record`), simulated again from the committed cost file: the
     predictions are the recorded ones (the docs' table is what this code predicts); generation is
-    right (the sync batch wait within 10% in every configuration); and the buffer's drops are right
-    (dropped fraction within 0.05 in at least 3 of 4 configurations). The async/sync ratio is not
-    asserted: it moves with the trainer's speed, which on this shared machine varies from run to
-    run by more than the 10% target (docs/planner.md shows both)."""
+    right (the sync batch wait within 10% in every configuration); the buffer's drops are right
+    (within 0.05 in 7 of 8); the async/sync ratio within 10% in 4 of 8, what the contention model
+    reaches on these runs (docs/planner.md: the trainer's speed here varies more than that)."""
     rec = json.loads((DATA / "validation.json").read_text())
     costs = load_costs(DATA / rec["costs"])
-    drop_ok = []
+    drop_ok, ratio_ok = [], []
     for case in rec["cases"]:
         pred = {}
         for mode in ("sync", "async"):
@@ -139,8 +138,10 @@ def test_prediction_within_tolerance_of_the_recorded_real_runs():
         real = case["real"]
         assert pred["sync"]["batch_wait_s"] == pytest.approx(real["sync"]["batch_wait_s"], rel=0.10), case["name"]
         drop_ok.append(abs(pred["async"]["dropped_frac"] - real["async"]["dropped_frac"]) <= 0.05)
-    assert len(rec["cases"]) >= 6
-    assert sum(drop_ok) >= 0.75 * len(drop_ok), drop_ok
+        ratio = pred["async"]["tokens_per_s"] / pred["sync"]["tokens_per_s"]
+        ratio_ok.append(abs(ratio / case["ratio_real"] - 1) <= 0.10)
+    assert len(rec["cases"]) >= 8
+    assert sum(drop_ok) >= 7 and sum(ratio_ok) >= 4, (drop_ok, ratio_ok)
 
 
 def test_recommend_meets_the_idle_target_it_reports(capsys):

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_calibrate)
     v = sub.add_parser("validate", help="simulate each tools/pipeline_bench.py run under RUNS and compare")
-    v.add_argument("runs", help="a directory of pipeline_bench --out directories")
+    v.add_argument("runs", help="a directory of pipeline_bench --out directories, or a --record file (its real "
+                                "figures predicted again from --costs)")
     v.add_argument("--costs", required=True)
     v.add_argument("--record", help="write the comparison (and the real figures) to this JSON")
     v.add_argument("--plot", help="PNG of simulated vs real per configuration")

@@ -115,6 +115,14 @@ def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "config
             for k in ("tokens_per_s", "trainer_idle_frac", "dropped_frac", "train_s") for f in (min, max)}
         case["predicted"][mode] = {k: s[k] for k in KEYS} | {"staleness_hist": s["staleness_hist"]}
         case["rows"][mode] = {"simulated": res.rows_dicts(), "real": real_rows(runs[mode][0])}
+    return _judge(case, costs, config)
+
+
+def _judge(case: dict, costs, config: str) -> dict:
+    """The prediction from the sync arm's speeds, the ratios and the targets, from case["real"] and
+    case["predicted"]."""
+    steps = case["steps"]
+    case["predicted_from_sync_arm"] = {}
     scaled, ft, fg = _sync_scaled(costs, case["real"]["sync"], case["predicted"]["sync"])
     for mode in ("sync", "async"):
         cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
@@ -134,6 +142,25 @@ def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "config
     return case
 
 
+def resimulate(record: Path, costs_path: str, config: str = "configs/tiny.yaml") -> list[dict]:
+    """The cases of a `--record` file predicted again from another cost file, beside their recorded
+    real figures (runs measured earlier, whose directories may be gone)."""
+    costs = load_costs(costs_path)
+    cases = json.loads(record.read_text())["cases"]
+    for case in cases:
+        for mode in ("sync", "async"):
+            cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
+            s = simulate(cfg, costs, workload_from_spec("task", cfg), steps=case["steps"]).summary()
+            case["predicted"][mode] = {k: s[k] for k in KEYS} | {"staleness_hist": s["staleness_hist"]}
+        r = case["real"]
+        for mode in ("sync", "async"):  # older records kept only the tokens/s spread
+            for k in ("trainer_idle_frac", "dropped_frac", "train_s"):
+                r[mode].setdefault(f"{k}_min", r[mode][k] if r[mode]["repeats"] == 1 else float("nan"))
+                r[mode].setdefault(f"{k}_max", r[mode][k] if r[mode]["repeats"] == 1 else float("nan"))
+        _judge(case, costs, config)
+    return cases
+
+
 def table(cases: list[dict]) -> str:
     lines = ["| configuration | runs sync / async | async/sync real (range) | predicted | error "
              "| trainer idle sync real (range) / pred | async real (range) / pred | dropped async real (range) / pred "
@@ -141,7 +168,8 @@ def table(cases: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
 
     def rng(d: dict, k: str) -> str:
-        return f"{d[k]:.2f} ({d[k + '_min']:.2f}..{d[k + '_max']:.2f})"
+        lo, hi = d[k + "_min"], d[k + "_max"]
+        return f"{d[k]:.2f}" + ("" if lo != lo else f" ({lo:.2f}..{hi:.2f})")  # NaN: not recorded
     for c in cases:
         r, p = c["real"], c["predicted"]
         lo, hi = c["ratio_real_spread"]
@@ -175,13 +203,18 @@ def collect(runs: Path, config: str = "configs/tiny.yaml") -> dict[str, dict[str
 
 
 def validate(runs: Path, costs_path: str, record: str | None, plot: str | None, disturbed_above: float = 0.0) -> int:
+    """Compare the pipeline_bench runs under `runs`, or, if `runs` is a --record file, its recorded
+    real figures (resimulate), with the prediction from `costs_path`."""
     costs = load_costs(costs_path)
-    cases = [c for name, r in collect(runs).items() if (c := compare(name, r, costs, disturbed_above=disturbed_above))]
+    if runs.is_file():
+        cases, plot = resimulate(runs, costs_path), None
+    else:
+        cases = [c for name, r in collect(runs).items() if (c := compare(name, r, costs, disturbed_above=disturbed_above))]
     if not cases:
         raise SystemExit(f"validate: no finished pipeline_bench runs named {sorted(CASES)} under {runs}")
     print(table(cases))
     for c in cases:
-        for d in c["disturbed"]:
+        for d in c.get("disturbed", []):
             print(f"left out (disturbed): {d['run']}: train call {d['train_s']:.3f} s against {d['predicted_train_s']:.3f} "
                   f"s simulated, {d['tokens_per_s']:.0f} tokens/s")
     if record:
