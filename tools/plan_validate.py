@@ -84,11 +84,11 @@ def _sync_scaled(costs, real_sync: dict, pred_sync: dict):
 
 
 def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "configs/tiny.yaml",
-            disturbed_above: float = 0.0) -> dict | None:
+            disturbed_above: float = 0.0) -> dict:
     """Real (medians over `runs[mode]`) against predicted, for the configuration CASES[name]. With
     disturbed_above > 0, a run whose mean train call is more than that many times the simulated one
     (contention included) is left out and listed under "disturbed": the trainer's core was busy with
-    other work then (None if no run of a mode is left)."""
+    other work then (a case with "skipped" if no run of a mode is left)."""
     extra, max_tokens = CASES[name]
     steps = 12
     case = {"name": name, "overrides": bench_overrides(extra, max_tokens, steps), "steps": steps,
@@ -107,8 +107,7 @@ def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "config
                 kept.append(d)
         runs = {**runs, mode: kept}
         if not kept:
-            print(f"{name}: every {mode} run disturbed: {case['disturbed']}")
-            return None
+            return {"name": name, "skipped": f"every {mode} run disturbed", "disturbed": case["disturbed"]}
         summaries = [real_summary(d) for d in kept]
         case["real"][mode] = _median(summaries) | {"repeats": len(summaries)} | {
             f"{k}_{f.__name__}": f(x[k] for x in summaries)
@@ -207,18 +206,23 @@ def validate(runs: Path, costs_path: str, record: str | None, plot: str | None, 
     real figures (resimulate), with the prediction from `costs_path`."""
     costs = load_costs(costs_path)
     if runs.is_file():
-        cases, plot = resimulate(runs, costs_path), None
+        cases, plot, skipped = resimulate(runs, costs_path), None, []
     else:
-        cases = [c for name, r in collect(runs).items() if (c := compare(name, r, costs, disturbed_above=disturbed_above))]
+        every = [compare(name, r, costs, disturbed_above=disturbed_above) for name, r in collect(runs).items()]
+        cases = [c for c in every if "skipped" not in c]
+        skipped = [c for c in every if "skipped" in c]
     if not cases:
         raise SystemExit(f"validate: no finished pipeline_bench runs named {sorted(CASES)} under {runs}")
     print(table(cases))
-    for c in cases:
-        for d in c.get("disturbed", []):
-            print(f"left out (disturbed): {d['run']}: train call {d['train_s']:.3f} s against {d['predicted_train_s']:.3f} "
-                  f"s simulated, {d['tokens_per_s']:.0f} tokens/s")
+    for c in skipped:
+        print(f"skipped {c['name']}: {c['skipped']}")
+    left = {d["run"]: d for c in cases + skipped for d in c.get("disturbed", [])}  # pooled sync runs recur
+    for run, d in sorted(left.items()):
+        print(f"left out (disturbed): {run}: train call {d['train_s']:.3f} s against {d['predicted_train_s']:.3f} "
+              f"s simulated, {d['tokens_per_s']:.0f} tokens/s")
     if record:
-        Path(record).write_text(json.dumps({"costs": Path(costs_path).name, "disturbed_above": disturbed_above, "cases": [
+        Path(record).write_text(json.dumps({"costs": Path(costs_path).name, "disturbed_above": disturbed_above,
+                                            "left_out": sorted(left.values(), key=lambda d: d["run"]), "cases": [
             {k: v for k, v in c.items() if k != "rows"} for c in cases]}, indent=1))
         print(f"wrote {record}")
     if plot:
