@@ -12,6 +12,7 @@ import pytest
 from pipeline.config import load_config, sync_mode_config
 from pipeline.sim import (CostFileError, UnmodelledConfig, costs_from_dict, load_costs, simulate,
                           workload_from_spec)
+from pipeline.sim.generator import SimGenerator, SimSample
 from pipeline.sim.pipeline import sim_config
 from pipeline.sim.workload import RewardCurve, WorkloadError
 
@@ -25,7 +26,8 @@ COSTS = {"generator": {"iter_base_s": 0.002, "iter_per_seq_s": 5e-5, "iter_per_c
          "trainer": {"step_base_s": 0.05, "epoch_base_s": 0.0, "per_token_s": 5e-5, "padding": "max"},
          "push": {"bytes": 1.2e6, "pack_base_s": 0.005, "pack_per_byte_s": 0.0, "transfer_base_s": 0.005,
                   "transfer_per_byte_s": 0.0, "load_base_s": 0.025, "load_per_byte_s": 0.0},
-         "controller": {"step_overhead_s": 0.01}, "source": "test figures"}
+         "controller": {"step_overhead_s": 0.01}, "contention": {"trainer_factor": 1.0, "generator_factor": 1.0},
+         "source": "test figures"}
 
 
 def _cfg(*overrides: str):
@@ -48,6 +50,9 @@ def test_cost_file_missing_component_or_key_is_an_error_naming_it(tmp_path):
     p.write_text(json.dumps(d))
     with pytest.raises(CostFileError, match=r"c.json: missing cost\(s\) \['generator.iter_per_seq_s'\]"):
         load_costs(p)
+    d = {k: v for k, v in COSTS.items() if k != "contention"}  # no silent "no sharing": it must be written
+    with pytest.raises(CostFileError, match=r"missing component\(s\) \['contention'\].*1 and 1"):
+        costs_from_dict(d)
     d = json.loads(json.dumps(COSTS))
     d["trainer"]["per_tokn_s"] = 1.0
     with pytest.raises(CostFileError, match="trainer.per_tokn_s"):
@@ -95,17 +100,34 @@ def test_more_epochs_cost_train_time_and_carry_over_save_reprefills():
     assert save["reprefill_tokens"] > 0
 
 
+def test_contention_slows_each_side_only_while_the_other_is_busy():
+    shared = COSTS | {"contention": {"trainer_factor": 2.0, "generator_factor": 1.5}}
+    # sync: nothing generates while the trainer trains (but the last sample's overhead), so sharing costs ~nothing
+    alone, both = _run("run.mode=sync"), _run("run.mode=sync", costs=shared)
+    assert both["train_s"] == pytest.approx(alone["train_s"], rel=0.02)
+    # async, a quick trainer and instant loads, so generation is busy throughout: each step takes trainer_factor x
+    quick = {**COSTS, "trainer": {**COSTS["trainer"], "per_token_s": 1e-6}, "push": {**COSTS["push"], "load_base_s": 0}}
+    alone, both = _run(costs=quick, steps=6), _run(costs={**quick, "contention": shared["contention"]}, steps=6)
+    assert both["train_s"] == pytest.approx(2.0 * alone["train_s"], rel=0.02)
+    # a generator's work while the trainer trains: generator_factor times as long; alone: as costed
+    gens = [SimGenerator(0, _cfg().generator, costs_from_dict(shared).generator) for _ in range(2)]
+    gens[1].slow = 1.5
+    for g in gens:
+        g.enqueue([SimSample(0, i, 10, 40, 0.0, (0, 0)) for i in range(4)])
+        g.refill(0.0)
+    assert gens[1].next_event(0.0) == pytest.approx(1.5 * gens[0].next_event(0.0))
+
+
 def test_prediction_within_tolerance_of_the_recorded_real_runs():
     """The configurations of tools/pipeline_bench.py measured here (tools/plan_data/validation.json,
     written by `tools/plan.py validate --record`), simulated again from the committed cost file: the
     predictions are the recorded ones (the docs' table is what this code predicts); generation is
-    right (the sync batch wait within 10% in every configuration); and the buffer's drops are right
-    (dropped fraction within 0.05 in at least 3 of 4 configurations). The async/sync ratio is not
-    asserted: it moves with the trainer's speed, which on this shared machine varies from run to
-    run by more than the 10% target (docs/planner.md shows both)."""
+    right (the sync batch wait within 10% in every configuration); the buffer's drops are right
+    (within 0.05 in 7 of 8); the async/sync ratio within 10% in 4 of 8, what the contention model
+    reaches on these runs (docs/planner.md: the trainer's speed here varies more than that)."""
     rec = json.loads((DATA / "validation.json").read_text())
     costs = load_costs(DATA / rec["costs"])
-    drop_ok = []
+    drop_ok, ratio_ok = [], []
     for case in rec["cases"]:
         pred = {}
         for mode in ("sync", "async"):
@@ -116,8 +138,10 @@ def test_prediction_within_tolerance_of_the_recorded_real_runs():
         real = case["real"]
         assert pred["sync"]["batch_wait_s"] == pytest.approx(real["sync"]["batch_wait_s"], rel=0.10), case["name"]
         drop_ok.append(abs(pred["async"]["dropped_frac"] - real["async"]["dropped_frac"]) <= 0.05)
-    assert len(rec["cases"]) >= 6
-    assert sum(drop_ok) >= 0.75 * len(drop_ok), drop_ok
+        ratio = pred["async"]["tokens_per_s"] / pred["sync"]["tokens_per_s"]
+        ratio_ok.append(abs(ratio / case["ratio_real"] - 1) <= 0.10)
+    assert len(rec["cases"]) >= 8
+    assert sum(drop_ok) >= 7 and sum(ratio_ok) >= 4, (drop_ok, ratio_ok)
 
 
 def test_recommend_meets_the_idle_target_it_reports(capsys):

@@ -76,13 +76,17 @@ def cmd_calibrate(a) -> int:
 
     if a.refit:
         refit(Path(a.out))
+    elif a.contention_only:
+        from tools.plan_contention import calibrate_contention
+
+        calibrate_contention(a.config, a.overrides, Path(a.out), a.reps)
     else:
         calibrate(a.config, a.overrides, Path(a.out), a.reps)
     return 0
 
 
 def cmd_validate(a) -> int:
-    return validate(Path(a.runs), a.costs, a.record, a.plot)
+    return validate(Path(a.runs), a.costs, a.record, a.plot, a.disturbed_above)
 
 
 def cmd_recommend(a) -> int:
@@ -118,13 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--out", default="tools/plan_data/costs_here.json")
     c.add_argument("--reps", type=int, default=3, help="repeats per measured case (medians are fitted)")
     c.add_argument("--refit", action="store_true", help="fit again from the waves recorded beside --out (light)")
+    c.add_argument("--contention-only", action="store_true",
+                   help="measure only the trainer/generator contention, into the existing --out (heavy, ~1 min)")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_calibrate)
     v = sub.add_parser("validate", help="simulate each tools/pipeline_bench.py run under RUNS and compare")
-    v.add_argument("runs", help="a directory of pipeline_bench --out directories")
+    v.add_argument("runs", help="a directory of pipeline_bench --out directories, or a --record file (its real "
+                                "figures predicted again from --costs)")
     v.add_argument("--costs", required=True)
     v.add_argument("--record", help="write the comparison (and the real figures) to this JSON")
     v.add_argument("--plot", help="PNG of simulated vs real per configuration")
+    v.add_argument("--disturbed-above", type=float, default=0.0,
+                   help="leave out (and list) runs whose mean train call exceeds this many times the simulated one "
+                        "(other work on the trainer's core); 0: keep every run")
     v.set_defaults(fn=cmd_validate)
     r = sub.add_parser("recommend", help="generators per trainer rank, max_staleness, Δ bounds, update mode")
     r.add_argument("config")

@@ -19,6 +19,8 @@ Each component with the project's real pieces, placed as tools/pipeline_bench.py
               vLLM) and a ~100M dict (200 MB, no vLLM): pack and transfer against bytes; the vLLM load
               of the tiny model; its per-byte term is taken as the transfer's (a 100M load into vLLM
               does not fit beside the benchmark here: docs/benchmarks.md)
+  contention  the two measured together, against alone (tools/plan_contention.py): the factors by
+              which each side slows while the other is busy
   controller  a short real run of the CLI (run.mode=sync, fixed 4-token responses, 6 steps): per
               step, the time that is neither the batch wait, the train call nor the push; and the
               whole push as the run saw it (sync/latency_s), whose excess over the pieces above
@@ -51,6 +53,7 @@ from pipeline.sim.generator import SimGenerator, SimSample
 from pipeline.types import PromptGroup, PromptItem
 from tools.gen_bench import ListSource
 from tools.pipeline_bench import placement
+from tools.plan_contention import fit_contention, measure_contention
 from tools.trainer_bench import push_overlap, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -311,6 +314,9 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     tr_rows, push_call_s = asyncio.run(measure_trainer(cfg, reps))
     tr, tr_err = fit_trainer(tr_rows)
     say(f"trainer fit {tr} (median error {tr_err:.1%})")
+    cont_rows = asyncio.run(measure_contention(cfg, reps))
+    cont = fit_contention(cont_rows)
+    say(f"contention {cont}")
     push = measure_push(cfg, out)
     raw_push = push.pop("_raw")
     # the trainer waits for its whole push call, not only the pack sync_bench times
@@ -318,7 +324,7 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     ctl, other, push_e2e = measure_controller(config, overrides, out)
     push = whole_push(push, push_e2e)
     say(f"push {push} (a whole push in the run: {push_e2e * 1e3:.1f} ms); controller {ctl}")
-    costs = {"generator": gen, "trainer": tr, "push": push, "controller": ctl,
+    costs = {"generator": gen, "trainer": tr, "push": push, "controller": ctl, "contention": cont,
              "source": f"tools/plan.py calibrate --config {config} {' '.join(overrides)} on {time.strftime('%Y-%m-%d')}"}
     costs_from_dict(costs, str(out_file))  # checked before it is written
     out_file.write_text(json.dumps(costs, indent=1))
@@ -328,6 +334,7 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
          "trainer": {"rows": tr_rows, "fit": tr, "median_rel_error": tr_err, "push_call_s": push_call_s},
          "push": {"fit": push, "sync_bench": raw_push, "push_in_run_s": push_e2e},
          "controller": {"per_step_other_s": other, "fit": ctl},
+         "contention": {"rows": cont_rows, "fit": cont},
          "seconds": time.monotonic() - t0}, indent=1, default=str))
     say(f"wrote {out_file} and {record} in {time.monotonic() - t0:.0f} s")
     return costs

@@ -11,10 +11,14 @@ Every directory under RUNS named in CASES holds one configuration's pipeline_ben
 the cost file with the same config (CASES gives its overrides) and the task's own lengths. Per configuration: async/sync tokens/s
 ratio (target: within 10% of the real one), trainer idle and dropped fraction per mode (within
 0.05 absolute). Real figures are medians over the repeats; cases whose sync configuration is the
-same (sync mode sets Δ, max_staleness and on_update itself) share their real sync runs. A second
-prediction scales the trainer's costs to each run's own mean train time: the trainer's core is
-shared with other work here, and that column shows what is left once its speed is known. --record writes it all (the real figures
-too) so tests/test_planner.py can check the prediction without running anything heavy.
+same (sync mode sets Δ, max_staleness and on_update itself) share their real sync runs. The
+prediction is made from the cost file alone, contention included (a train step slows while the
+generator is busy on the shared cores, and the generator while the trainer trains: the cost file's
+`contention`, measured by `calibrate` before the runs). A second figure predicts the async arm
+from the sync arm's measured speeds (`_sync_scaled`: the trainer's and the generator's costs scaled
+to the sync runs' train call and batch wait, which never overlap), for a machine whose load from
+other work changes between the calibration and the runs; it never reads the async runs. --record writes it all (the real figures, with their min..max over
+the repeats, too) so tests/test_planner.py can check the prediction without running anything heavy.
 """
 
 from __future__ import annotations
@@ -64,60 +68,118 @@ def _sync_key(cfg) -> str:
     return repr(dataclasses.replace(c, buffer=dataclasses.replace(c.buffer, delta=0, delta_min=0, delta_max=0)))
 
 
-def _train_scaled(costs, real_train_s: float, predicted_train_s: float):
-    """The costs with the trainer's figures scaled so the mean train call matches a real run's: the
-    prediction as it would be on that run's machine load (the trainer core is shared here)."""
-    f = real_train_s / predicted_train_s
-    t = costs.trainer
-    return dataclasses.replace(costs, trainer=dataclasses.replace(
-        t, step_base_s=t.step_base_s * f, epoch_base_s=t.epoch_base_s * f, per_token_s=t.per_token_s * f))
+def _sync_scaled(costs, real_sync: dict, pred_sync: dict):
+    """The costs at the speeds the real sync arm ran at: trainer costs times its train call over the
+    predicted one, generator costs times its batch wait over the predicted one. The sync arm never
+    overlaps training and generation, so these are each side's speed alone during the runs; the
+    async arm is then predicted from them with the contention factors, never from its own figures."""
+    ft, fg = real_sync["train_s"] / pred_sync["train_s"], real_sync["batch_wait_s"] / pred_sync["batch_wait_s"]
+    t, g = costs.trainer, costs.generator
+    return dataclasses.replace(
+        costs, trainer=dataclasses.replace(t, step_base_s=t.step_base_s * ft, epoch_base_s=t.epoch_base_s * ft,
+                                           per_token_s=t.per_token_s * ft),
+        generator=dataclasses.replace(g, **{k: getattr(g, k) * fg for k in (
+            "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s",
+            "admit_s")})), ft, fg
 
 
-def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "configs/tiny.yaml") -> dict:
-    """Real (medians over `runs[mode]`) against predicted, for the configuration CASES[name]."""
+def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "configs/tiny.yaml",
+            disturbed_above: float = 0.0) -> dict:
+    """Real (medians over `runs[mode]`) against predicted, for the configuration CASES[name]. With
+    disturbed_above > 0, a run whose mean train call is more than that many times the simulated one
+    (contention included) is left out and listed under "disturbed": the trainer's core was busy with
+    other work then (a case with "skipped" if no run of a mode is left)."""
     extra, max_tokens = CASES[name]
     steps = 12
     case = {"name": name, "overrides": bench_overrides(extra, max_tokens, steps), "steps": steps,
-            "real": {}, "predicted": {}, "predicted_at_run_train_speed": {}, "rows": {}}
+            "real": {}, "predicted": {}, "predicted_from_sync_arm": {}, "rows": {}, "disturbed": []}
     for mode in ("sync", "async"):
-        summaries = [real_summary(d) for d in runs[mode]]
-        case["real"][mode] = _median(summaries) | {"repeats": len(summaries),
-                                                  "tokens_per_s_min": min(x["tokens_per_s"] for x in summaries),
-                                                  "tokens_per_s_max": max(x["tokens_per_s"] for x in summaries)}
         cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
         res = simulate(cfg, costs, workload_from_spec("task", cfg), steps=steps)
         s = res.summary()
+        kept = []
+        for d in runs[mode]:
+            x = real_summary(d)
+            if disturbed_above and x["train_s"] > disturbed_above * s["train_s"]:
+                case["disturbed"].append({"run": str(d), "train_s": x["train_s"], "predicted_train_s": s["train_s"],
+                                          "tokens_per_s": x["tokens_per_s"]})
+            else:
+                kept.append(d)
+        runs = {**runs, mode: kept}
+        if not kept:
+            return {"name": name, "skipped": f"every {mode} run disturbed", "disturbed": case["disturbed"]}
+        summaries = [real_summary(d) for d in kept]
+        case["real"][mode] = _median(summaries) | {"repeats": len(summaries)} | {
+            f"{k}_{f.__name__}": f(x[k] for x in summaries)
+            for k in ("tokens_per_s", "trainer_idle_frac", "dropped_frac", "train_s") for f in (min, max)}
         case["predicted"][mode] = {k: s[k] for k in KEYS} | {"staleness_hist": s["staleness_hist"]}
-        scaled = _train_scaled(costs, case["real"][mode]["train_s"], s["train_s"])
-        s2 = simulate(cfg, scaled, workload_from_spec("task", cfg), steps=steps).summary()
-        case["predicted_at_run_train_speed"][mode] = {k: s2[k] for k in KEYS} | {"train_scale": scaled.trainer.per_token_s / costs.trainer.per_token_s}
         case["rows"][mode] = {"simulated": res.rows_dicts(), "real": real_rows(runs[mode][0])}
-    r, p, q = case["real"], case["predicted"], case["predicted_at_run_train_speed"]
+    return _judge(case, costs, config)
+
+
+def _judge(case: dict, costs, config: str) -> dict:
+    """The prediction from the sync arm's speeds, the ratios and the targets, from case["real"] and
+    case["predicted"]."""
+    steps = case["steps"]
+    case["predicted_from_sync_arm"] = {}
+    scaled, ft, fg = _sync_scaled(costs, case["real"]["sync"], case["predicted"]["sync"])
+    for mode in ("sync", "async"):
+        cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
+        s2 = simulate(cfg, scaled, workload_from_spec("task", cfg), steps=steps).summary()
+        case["predicted_from_sync_arm"][mode] = {k: s2[k] for k in KEYS} | {"train_scale": ft, "generator_scale": fg}
+    r, p, q = case["real"], case["predicted"], case["predicted_from_sync_arm"]
     case["ratio_real"] = r["async"]["tokens_per_s"] / r["sync"]["tokens_per_s"]
     case["ratio_real_spread"] = [r["async"]["tokens_per_s_min"] / r["sync"]["tokens_per_s_max"],
                                  r["async"]["tokens_per_s_max"] / r["sync"]["tokens_per_s_min"]]
     case["ratio_predicted"] = p["async"]["tokens_per_s"] / p["sync"]["tokens_per_s"]
     case["ratio_error"] = case["ratio_predicted"] / case["ratio_real"] - 1
-    case["ratio_at_run_train_speed"] = q["async"]["tokens_per_s"] / q["sync"]["tokens_per_s"]
-    case["ratio_error_at_run_train_speed"] = case["ratio_at_run_train_speed"] / case["ratio_real"] - 1
-    case["within"] = abs(case["ratio_error"]) <= 0.10 and all(
+    case["ratio_from_sync_arm"] = q["async"]["tokens_per_s"] / q["sync"]["tokens_per_s"]
+    case["ratio_error_from_sync_arm"] = case["ratio_from_sync_arm"] / case["ratio_real"] - 1
+    case["ratio_within"] = abs(case["ratio_error"]) <= 0.10
+    case["within"] = case["ratio_within"] and all(
         abs(p[m][k] - r[m][k]) <= 0.05 for m in ("sync", "async") for k in ("trainer_idle_frac", "dropped_frac"))
     return case
 
 
+def resimulate(record: Path, costs_path: str, config: str = "configs/tiny.yaml") -> list[dict]:
+    """The cases of a `--record` file predicted again from another cost file, beside their recorded
+    real figures (runs measured earlier, whose directories may be gone)."""
+    costs = load_costs(costs_path)
+    cases = json.loads(record.read_text())["cases"]
+    for case in cases:
+        for mode in ("sync", "async"):
+            cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
+            s = simulate(cfg, costs, workload_from_spec("task", cfg), steps=case["steps"]).summary()
+            case["predicted"][mode] = {k: s[k] for k in KEYS} | {"staleness_hist": s["staleness_hist"]}
+        r = case["real"]
+        for mode in ("sync", "async"):  # older records kept only the tokens/s spread
+            for k in ("trainer_idle_frac", "dropped_frac", "train_s"):
+                r[mode].setdefault(f"{k}_min", r[mode][k] if r[mode]["repeats"] == 1 else float("nan"))
+                r[mode].setdefault(f"{k}_max", r[mode][k] if r[mode]["repeats"] == 1 else float("nan"))
+        _judge(case, costs, config)
+    return cases
+
+
 def table(cases: list[dict]) -> str:
-    lines = ["| configuration | runs sync / async | async/sync real (range) | predicted | error | at the runs' train speed "
-             "| trainer idle sync real / pred | async real / pred | dropped async real / pred | within targets |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| configuration | runs sync / async | async/sync real (range) | predicted | error "
+             "| trainer idle sync real (range) / pred | async real (range) / pred | dropped async real (range) / pred "
+             "| train s sync / async real / pred | from the sync arm | ratio within 10% | all targets |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+
+    def rng(d: dict, k: str) -> str:
+        lo, hi = d[k + "_min"], d[k + "_max"]
+        return f"{d[k]:.2f}" + ("" if lo != lo else f" ({lo:.2f}..{hi:.2f})")  # NaN: not recorded
     for c in cases:
         r, p = c["real"], c["predicted"]
         lo, hi = c["ratio_real_spread"]
         lines.append(f"| {c['name']} | {r['sync']['repeats']} / {r['async']['repeats']} | {c['ratio_real']:.2f}x "
                      f"({lo:.2f}..{hi:.2f}) | {c['ratio_predicted']:.2f}x | {c['ratio_error']:+.0%} | "
-                     f"{c['ratio_at_run_train_speed']:.2f}x ({c['ratio_error_at_run_train_speed']:+.0%}) | "
-                     f"{r['sync']['trainer_idle_frac']:.2f} / {p['sync']['trainer_idle_frac']:.2f} | "
-                     f"{r['async']['trainer_idle_frac']:.2f} / {p['async']['trainer_idle_frac']:.2f} | "
-                     f"{r['async']['dropped_frac']:.2f} / {p['async']['dropped_frac']:.2f} | "
+                     f"{rng(r['sync'], 'trainer_idle_frac')} / {p['sync']['trainer_idle_frac']:.2f} | "
+                     f"{rng(r['async'], 'trainer_idle_frac')} / {p['async']['trainer_idle_frac']:.2f} | "
+                     f"{rng(r['async'], 'dropped_frac')} / {p['async']['dropped_frac']:.2f} | "
+                     f"{r['sync']['train_s']:.3f} / {p['sync']['train_s']:.3f}, {r['async']['train_s']:.3f} / "
+                     f"{p['async']['train_s']:.3f} | {c['ratio_from_sync_arm']:.2f}x "
+                     f"({c['ratio_error_from_sync_arm']:+.0%}) | {'yes' if c['ratio_within'] else 'no'} | "
                      f"{'yes' if c['within'] else 'no'} |")
     return "\n".join(lines)
 
@@ -139,14 +201,28 @@ def collect(runs: Path, config: str = "configs/tiny.yaml") -> dict[str, dict[str
     return out
 
 
-def validate(runs: Path, costs_path: str, record: str | None, plot: str | None) -> int:
+def validate(runs: Path, costs_path: str, record: str | None, plot: str | None, disturbed_above: float = 0.0) -> int:
+    """Compare the pipeline_bench runs under `runs`, or, if `runs` is a --record file, its recorded
+    real figures (resimulate), with the prediction from `costs_path`."""
     costs = load_costs(costs_path)
-    cases = [compare(name, r, costs) for name, r in collect(runs).items()]
+    if runs.is_file():
+        cases, plot, skipped = resimulate(runs, costs_path), None, []
+    else:
+        every = [compare(name, r, costs, disturbed_above=disturbed_above) for name, r in collect(runs).items()]
+        cases = [c for c in every if "skipped" not in c]
+        skipped = [c for c in every if "skipped" in c]
     if not cases:
         raise SystemExit(f"validate: no finished pipeline_bench runs named {sorted(CASES)} under {runs}")
     print(table(cases))
+    for c in skipped:
+        print(f"skipped {c['name']}: {c['skipped']}")
+    left = {d["run"]: d for c in cases + skipped for d in c.get("disturbed", [])}  # pooled sync runs recur
+    for run, d in sorted(left.items()):
+        print(f"left out (disturbed): {run}: train call {d['train_s']:.3f} s against {d['predicted_train_s']:.3f} "
+              f"s simulated, {d['tokens_per_s']:.0f} tokens/s")
     if record:
-        Path(record).write_text(json.dumps({"costs": Path(costs_path).name, "cases": [
+        Path(record).write_text(json.dumps({"costs": Path(costs_path).name, "disturbed_above": disturbed_above,
+                                            "left_out": sorted(left.values(), key=lambda d: d["run"]), "cases": [
             {k: v for k, v in c.items() if k != "rows"} for c in cases]}, indent=1))
         print(f"wrote {record}")
     if plot:

@@ -1,6 +1,6 @@
 """The simulator's cost file: every component's cost, named, read from JSON or YAML and checked.
 
-A cost file has four sections and every key below is required (a missing one is an error naming
+A cost file has five sections and every key below is required (a missing one is an error naming
 it, never a default): the planner must not predict from a number nobody measured or wrote down.
 
     generator:    a vLLM engine; one decode iteration advances every running request by one token
@@ -24,6 +24,14 @@ it, never a default): the planner must not predict from a number nobody measured
     controller:
         step_overhead_s       seconds per step outside the train call and the batch wait (buffer
                               calls, metrics, hooks); counted as trainer idle, as a real run does
+    contention:   what the trainer and the generators cost each other when both are busy at once
+                  (shared cores, memory bandwidth); the figures above are each component alone
+        trainer_factor        a train step's time while any generator is busy (decoding, prefilling)
+                              over its time alone; >= 1
+        generator_factor      a generator's engine time (decode, prefill, request overhead) while the
+                              trainer trains, over its time alone; >= 1
+                              1 and 1: no sharing (a GPU cluster: trainer and engines on their own
+                              devices, or colocated and never busy at once); write it, it is not assumed
 
 `source` (free text: how the numbers were obtained) is required too. Extra keys are an error, so a
 misspelt key cannot silently fall back to nothing.
@@ -44,7 +52,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["Costs", "GeneratorCosts", "TrainerCosts", "PushCosts", "ControllerCosts", "CostFileError",
+__all__ = ["Costs", "GeneratorCosts", "TrainerCosts", "PushCosts", "ControllerCosts", "ContentionCosts", "CostFileError",
            "load_costs", "costs_from_dict"]
 
 
@@ -104,18 +112,34 @@ class ControllerCosts:
 
 
 @dataclass(frozen=True)
+class ContentionCosts:
+    trainer_factor: float
+    generator_factor: float
+
+    def trainer_slowdown(self, generators_busy: bool) -> float:
+        """How much longer the trainer's work takes now: trainer_factor while a generator is busy."""
+        return self.trainer_factor if generators_busy else 1.0
+
+    def generator_slowdown(self, trainer_busy: bool) -> float:
+        """How much longer a generator's engine work takes now: generator_factor while the trainer trains."""
+        return self.generator_factor if trainer_busy else 1.0
+
+
+@dataclass(frozen=True)
 class Costs:
     generator: GeneratorCosts
     trainer: TrainerCosts
     push: PushCosts
     controller: ControllerCosts
+    contention: ContentionCosts
     source: str
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-_SECTIONS = {"generator": GeneratorCosts, "trainer": TrainerCosts, "push": PushCosts, "controller": ControllerCosts}
+_SECTIONS = {"generator": GeneratorCosts, "trainer": TrainerCosts, "push": PushCosts, "controller": ControllerCosts,
+             "contention": ContentionCosts}
 
 
 def costs_from_dict(d: dict, where: str = "costs") -> Costs:
@@ -124,7 +148,10 @@ def costs_from_dict(d: dict, where: str = "costs") -> Costs:
         raise CostFileError(f"{where}: a mapping of sections {sorted(_SECTIONS)} and 'source' expected, got {type(d).__name__}")
     missing = [k for k in (*_SECTIONS, "source") if k not in d]
     if missing:
-        raise CostFileError(f"{where}: missing component(s) {missing}; every one of {[*_SECTIONS, 'source']} is required")
+        hint = (" (contention: trainer_factor and generator_factor, measured by `tools/plan.py calibrate`; "
+                "write 1 and 1 for hardware the trainer and the generators do not share)") if "contention" in missing else ""
+        raise CostFileError(f"{where}: missing component(s) {missing}; every one of {[*_SECTIONS, 'source']} "
+                            f"is required{hint}")
     extra = sorted(set(d) - {*_SECTIONS, "source"})
     if extra:
         raise CostFileError(f"{where}: unknown section(s) {extra}")
@@ -152,6 +179,10 @@ def costs_from_dict(d: dict, where: str = "costs") -> Costs:
         built[name] = cls(**vals)
     if not isinstance(d["source"], str) or not d["source"].strip():
         raise CostFileError(f"{where}: 'source' must say where the numbers come from")
+    c = built["contention"]
+    for k in ("trainer_factor", "generator_factor"):
+        if getattr(c, k) < 1:
+            raise CostFileError(f"{where}: contention.{k}={getattr(c, k)!r}; >= 1 expected (1: no sharing)")
     g = built["generator"]
     if g.iter_base_s + g.iter_per_seq_s <= 0:
         raise CostFileError(f"{where}: generator.iter_base_s + generator.iter_per_seq_s must be > 0 (decoding is free)")

@@ -16,6 +16,8 @@ What it models, after pipeline/generator/:
   * A sample's versions: its first token's version (the engine's when that token is sampled, after
     the prefill: a request submitted just before an update and prefilled after it is fresh), then
     the version it finished under (what the buffer's staleness uses: the oldest). `busy_s` counts time with a slot held, as RolloutStats.
+  * Contention: `slow` (set by the caller for the interval to come; 1 alone) stretches every engine
+    second: the trainer busy on shared cores makes decoding, prefill and overheads slower.
 
 Example:
     gen = SimGenerator(0, cfg.generator, costs.generator)
@@ -130,7 +132,8 @@ class SimGenerator:
         self.active = _Running()
         self.pending: deque[SimSample] = deque()
         self.carried: deque[SimSample] = deque()
-        self.debt = 0.0  # engine seconds owed before decoding goes on
+        self.debt = 0.0  # engine seconds (alone) owed before decoding goes on
+        self.slow = 1.0  # engine time per second alone now (ContentionCosts: set by the simulator per interval)
         self.paused_until: float | None = None  # a weight load in progress
         self.gate_open = True  # abort / drain close it during an update
         self.parked = False  # carry_over=save: stage ended, waiting for the next update
@@ -172,12 +175,16 @@ class SimGenerator:
         if self.paused_until is not None:
             return self.paused_until
         if self.debt > _EPS:
-            return now + self.debt
+            return now + self.debt * self.slow
         if self.active:
             r, n = self.active.min_remaining(), len(self.active)
             # iteration cost at the interval's mid context: the context grows as tokens are made
-            return now + max(r, 0.0) * self.c.iter_s(n, self.active.context() + n * r / 2)
+            return now + max(r, 0.0) * self.c.iter_s(n, self.active.context() + n * r / 2) * self.slow
         return None
+
+    def busy(self) -> bool:
+        """Engine work under way (decoding, prefill, request overhead): what contends with the trainer."""
+        return self.paused_until is None and (bool(self.active) or self.debt > _EPS)
 
     def advance(self, now: float, t: float) -> list[SimSample]:
         """Run from `now` to `t`; the samples that finished (removed from their slots)."""
@@ -189,12 +196,12 @@ class SimGenerator:
                 return []
             dt = t - self.paused_until
             self._finish_load(self.paused_until)
-        use = min(self.debt, dt)
+        use = min(self.debt, dt / self.slow)
         self.debt -= use
-        dt -= use
+        dt -= use * self.slow
         if dt > _EPS and self.active and self.debt <= _EPS:
             r, n = self.active.min_remaining(), len(self.active)
-            it = self.c.iter_s(n, self.active.context() + n * r / 2)
+            it = self.c.iter_s(n, self.active.context() + n * r / 2) * self.slow
             tokens = min(dt / it, r) if it > 0 else r
             self.active.progress(tokens, self.version)
             self.generated_tokens += tokens * n

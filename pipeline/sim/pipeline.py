@@ -8,6 +8,8 @@ simulator only decides *when* things reach it. The rest follows the real roles:
                  hands them out (requeued, then retried stale prompts, then new prompts)
     trainer      TrainLoop: wait for B complete groups -> [carry_over=save: stage ends] -> train
                  (TrainerCosts.step_s) -> publish -> controller overhead -> next
+    contention   while the train call runs and a generator is busy, each goes slower by its
+                 ContentionCosts factor (cores shared); the train call's work is a fluid like decoding
     publish      async (AsyncPublish): finish_step(v), then the push starts (it first waits for the
                  push of v-1: one in flight), the trainer waits for the pack only;
                  sync (SyncPublish): push, wait until every generator serves v, then finish_step(v);
@@ -129,6 +131,9 @@ class _Sim:
         self.rows: list[StepRow] = []
         self.trainer_state = "wait"
         self.wait_since = 0.0
+        self.train_left = 0.0  # > 0: the train call runs (contends with busy generators)
+        self.train_row: StepRow | None = None
+        self.train_from = 0.0
 
     def at(self, t: float, fn) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
@@ -196,7 +201,7 @@ class _Sim:
         row = StepRow(step=len(self.rows) + 1, batch_wait_s=wait, train_s=train_s, samples=N, tokens=tokens,
                       staleness_mean=float(stale.mean()), reward=float(batch.rewards.mean()))
         self.trainer_state = "train"
-        self.at(self.now + train_s, lambda t: self._trained(t, row))
+        self.train_left, self.train_row, self.train_from = train_s, row, self.now  # seconds of work alone
 
     def _trained(self, t: float, row: StepRow) -> None:
         v = self.buf.version + 1
@@ -247,10 +252,17 @@ class _Sim:
         self.admit()
         while len(self.rows) < steps:
             self.trainer_poll()
+            # contention: each side's rate for the interval to come, from whether the other is busy now;
+            # every change of either state is an event, so the rates hold until t
+            training = self.train_row is not None
+            t_slow = self.costs.contention.trainer_slowdown(any(g.busy() for g in self.gens))
+            for g in self.gens:
+                g.slow = self.costs.contention.generator_slowdown(training)
             cands = [g.next_event(self.now) for g in self.gens]
             t_gen = min((c for c in cands if c is not None), default=math.inf)
             t_ev = self._events[0][0] if self._events else math.inf
-            t = min(t_gen, t_ev)
+            t_train = self.now + self.train_left * t_slow if training else math.inf
+            t = min(t_gen, t_ev, t_train)
             if t == math.inf:
                 if self.exhausted:
                     break
@@ -259,7 +271,13 @@ class _Sim:
             for g in self.gens:
                 for s in g.advance(self.now, t):
                     self.deliver(g, s)
+            if training:
+                self.train_left = 0.0 if t >= t_train else self.train_left - (t - self.now) / t_slow
             self.now = t
+            if training and self.train_left <= 0.0:
+                row, self.train_row = self.train_row, None
+                row.train_s = t - self.train_from  # as long as it took, contention included
+                self._trained(t, row)
             while self._events and self._events[0][0] <= t:
                 _, _, fn = heapq.heappop(self._events)
                 fn(t)
