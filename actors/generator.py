@@ -137,14 +137,15 @@ class GeneratorActor(Actor):
         self.core.attach_reward_model(handle, stream_prefix(self.core.gid, self.incarnation))
 
     @concurrent_endpoint
-    async def stage_weights(self, version: int) -> float:
+    async def stage_weights(self, version: int) -> dict[str, float]:
         """Bring `version` into this generator's staging through the transport; generation goes on
-        meanwhile (a concurrent endpoint, so stats keep answering during a long transfer). Seconds."""
+        meanwhile (a concurrent endpoint, so stats keep answering during a long transfer). Returns
+        the receiver's `last_timing`: pull_s, bytes moved, full_bytes, delta_ranks (receiver.py)."""
         self.core.check()
         if self.receiver is None:
             raise RuntimeError(f"generator {self.core.gid}: stage_weights before attach_weights")
         await self.receiver.pull(version)
-        return self.receiver.last_timing["pull_s"]
+        return dict(self.receiver.last_timing)
 
     @endpoint
     async def apply_weights(self, version: int, on_update: str | None = None, corrupt_first: bool = False) -> int:
