@@ -162,3 +162,15 @@ def test_weight_sync_verify_reads_off_every_or_a_period(value, period, verified)
 def test_weight_sync_verify_refuses_bad_values_naming_the_key(overrides, why):
     with pytest.raises(ConfigError, match=re.escape("weight_sync.verify=") + r".*" + re.escape(why)):
         load_config(str(REPO / "configs/tiny.yaml"), overrides)
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["weight_sync.delta=true"], "weight_sync.delta=True is invalid; allowed: false with weight_sync.transport=shm"),
+    (["weight_sync.delta=true", "weight_sync.transport=rdma", "weight_sync.full_every=-1"],
+     "weight_sync.full_every=-1 is invalid; allowed: >= 0"),
+])
+def test_weight_sync_delta_refuses_shm_and_a_negative_period_naming_the_key(overrides, why):
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        load_config(str(REPO / "configs/tiny.yaml"), overrides)
+    ws = load_config(str(REPO / "configs/tiny.yaml"), ["weight_sync.transport=collective", "weight_sync.delta=true"])
+    assert ws.weight_sync.delta and ws.weight_sync.full_every == 10
