@@ -32,13 +32,10 @@ Ordering contract:
     of the push like a failed load (SyncError naming the generator, the version and the tensors).
     The first push of a run, when verify is on, corrupts every generator's served weights inside
     its apply's pause, before the load: its verify then proves the load rewrote every served byte.
-  * Delta (weight_sync.delta): each trainer rank's slot of v may offer the delta against the
-    previous version it packed. rdma: each receiver reads the delta only if its staged copy holds
-    that version, else the full bytes. collective: the sender decides for the whole group, so
-    `start` asks for the full version when any live generator does not serve the version this
-    object pushed last (a replacement, a rejoin, a failed push, the first push after a resume). A
-    receiver that fails to apply a delta keeps no valid copy, so its next pull is full (and with a
-    supervisor it is replaced anyway).
+  * Delta (weight_sync.delta, delta.py): rdma receivers read the delta only if their staged copy
+    holds its base, else the full bytes; a collective broadcast is one choice for all, so `start`
+    asks for full when any live generator does not serve the version pushed last (a replacement, a
+    failed push, a resume). A receiver that fails to apply a delta holds no valid copy after it.
   * At most one push is in flight: `start(v+1)` first awaits the push of v, since the trainer's
     slot of v-1 is overwritten by v+1 and a receiver must never read a slot being rewritten.
   * Every call is bounded: the transfer by weight_sync.timeout_s, apply by that plus
@@ -104,9 +101,8 @@ class WeightSync:
         self._pushed: int | None = None  # the version last packed: the base of the next delta
         self.last: dict[str, float] = {}
         """Timing of the last finished push: total_s, pack_s, stage_s, apply_s, and verify_s when
-        it was verified (seconds, the slowest generator's read-back); for rdma and collective also
-        bytes (moved to every generator), full_bytes (a full push's) and delta_receivers (generators
-        that received a delta)."""
+        it was verified (seconds, the slowest generator's read-back); rdma, collective: bytes moved
+        to every generator, full_bytes (a full push's), delta_receivers (generators sent a delta)."""
 
     @property
     def kind(self) -> str:
@@ -184,8 +180,7 @@ class WeightSync:
                                              name=f"weight-push-v{version}")
 
     def _full(self) -> bool:
-        """Whether the next push must be full for every receiver (collective with weight_sync.delta:
-        some live generator does not serve the previous version)."""
+        """Collective with weight_sync.delta: a live generator lacks the base, so push full."""
         if self.kind != "collective" or not self.cfg.weight_sync.delta:
             return False
         return any(self.served.get(i) != self._pushed for i, _ in self.live())
