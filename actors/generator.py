@@ -141,9 +141,10 @@ class GeneratorActor(Actor):
         self.core.attach_reward_model(handle, stream_prefix(self.core.gid, self.incarnation))
 
     @concurrent_endpoint
-    async def stage_weights(self, version: int) -> float:
+    async def stage_weights(self, version: int) -> dict[str, float]:
         """Bring `version` into this generator's staging through the transport; generation goes on
-        meanwhile (a concurrent endpoint, so stats keep answering during a long transfer). Seconds."""
+        meanwhile (a concurrent endpoint, so stats keep answering during a long transfer). Returns
+        the receiver's `last_timing`: pull_s, bytes moved, full_bytes, delta_ranks (receiver.py)."""
         self.core.check()
         if self.receiver is None:
             raise RuntimeError(f"generator {self.core.gid}: stage_weights before attach_weights")
@@ -153,7 +154,7 @@ class GeneratorActor(Actor):
             self.receiver.last_timing["shadow_load_s"] = await engine.control(
                 load_shadow(engine.llm, self.receiver, version, self.cfg.weight_sync.timeout_s), "shadow load",
                 math.inf, "weight_sync.timeout_s")
-        return self.receiver.last_timing["pull_s"]
+        return dict(self.receiver.last_timing)
 
     @property
     def _shadow(self) -> bool:

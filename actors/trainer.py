@@ -3,7 +3,7 @@
     trainer = await Trainer.start(cfg, host_mesh)      # cfg.trainer.num_ranks procs, split evenly over hosts
     metrics = await trainer.train_step(batch)          # dict[str, float], rank 0's (all ranks agree)
     handle = await trainer.sync_handle(num_receivers)  # once: every rank builds its WeightSender
-    wv = await trainer.push_weights()                  # WeightVersion; returns once every rank packed
+    wv = await trainer.push_weights(full=False)        # WeightVersion; returns once every rank packed
                                                        # (pipeline.weightsync.sync.WeightSync drives it)
     ref = await trainer.weight_checksums(wv.version)   # weight_sync.verify: every rank's shares, added
     await trainer.save(path, data_state) / await trainer.load(path) -> data_state
@@ -147,15 +147,16 @@ class TrainerActor(Actor):
         return self.sender.handle()
 
     @endpoint
-    async def push_weights(self) -> WeightVersion:
+    async def push_weights(self, full: bool = False) -> WeightVersion:
         """Every rank packs its own shards as the current version (cast to model.dtype as they are
         copied, nothing gathered) and starts its transfer. Returns once this rank's snapshot is
-        packed: the next train_step may run while receivers read."""
+        packed: the next train_step may run while receivers read. `full`: no delta this time
+        (weight_sync.delta; WeightSync asks when a collective member lacks the previous version)."""
         core = self._c()
         if self.sender is None:
             raise RuntimeError("trainer: push_weights before sync_handle(num_receivers)")
         tensors = [t for _, t in core.state.push_boxes()]
-        return await self.sender.publish(tensors, core.version)
+        return await self.sender.publish(tensors, core.version, full)
 
     @concurrent_endpoint  # beside the next train_step: it reads the packed slot, not the live weights
     async def weight_checksums(self, version: int) -> dict[str, str]:
@@ -244,8 +245,8 @@ class Trainer:
         """Every rank's sender handle, merged: what each receiver needs (it reads from every rank)."""
         return merge_handles(await self.call_all("sync_handle", num_receivers, host, ws_cfg, every=True))
 
-    async def push_weights(self) -> WeightVersion:
-        return await self.call_all("push_weights", timeout=self.cfg.weight_sync.timeout_s)
+    async def push_weights(self, full: bool = False) -> WeightVersion:
+        return await self.call_all("push_weights", full, timeout=self.cfg.weight_sync.timeout_s)
 
     async def weight_checksums(self, version: int) -> dict[str, str]:
         """HF name -> checksum (wire form) of the whole tensor of `version` the trainer pushed, added

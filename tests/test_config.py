@@ -171,3 +171,15 @@ def test_shadow_weights_is_a_bool_and_refused_with_lora():
     with pytest.raises(ConfigError, match="generator.shadow_weights.*lora"):
         load_config(REPO / "configs" / "tiny.yaml", ["generator.shadow_weights=true", "trainer.lora.rank=8",
                                                      "generator.on_update=abort"])
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["weight_sync.delta=true"], "weight_sync.delta=True is invalid; allowed: false with weight_sync.transport=shm"),
+    (["weight_sync.delta=true", "weight_sync.transport=rdma", "weight_sync.full_every=-1"],
+     "weight_sync.full_every=-1 is invalid; allowed: >= 0"),
+])
+def test_weight_sync_delta_refuses_shm_and_a_negative_period_naming_the_key(overrides, why):
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        load_config(str(REPO / "configs/tiny.yaml"), overrides)
+    ws = load_config(str(REPO / "configs/tiny.yaml"), ["weight_sync.transport=collective", "weight_sync.delta=true"])
+    assert ws.weight_sync.delta and ws.weight_sync.full_every == 10

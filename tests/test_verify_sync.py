@@ -40,7 +40,7 @@ class FakeTrainer:
     def __init__(self) -> None:
         self.references: list[int] = []
 
-    async def push_weights(self) -> None:
+    async def push_weights(self, full: bool = False) -> None:
         pass
 
     async def weight_checksums(self, version: int) -> dict[str, str]:
@@ -58,7 +58,7 @@ class FakeGenerator:
         self.served_checksums = Call(self._served)
 
     async def _stage(self, version):
-        return 0.0
+        return {"pull_s": 0.0}
 
     async def _apply(self, version, on_update, corrupt_first):
         self.corrupted.append(corrupt_first)

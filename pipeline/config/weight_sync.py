@@ -26,6 +26,14 @@ class WeightSyncConfig:
     (pushes 1, 1+k, 1+2k, ...). When on, the first push of a run also starts by corrupting every
     generator's served weights (under the update's pause), so its check proves the push rewrote all
     of them. YAML and the command line read a bare off / on as a boolean: false means off, true every."""
+    delta: bool = False
+    """Delta push (pipeline/weightsync/delta.py): only the elements whose bits changed since the previous
+    version cross the wire (indices and values), applied in place to the receiver's staged copy and
+    checked against the trainer's per-tensor checksums. rdma and collective only (shm moves no bytes).
+    A push is full when the delta would exceed half the full bytes, every full_every versions, and for
+    a generator that does not hold the previous version."""
+    full_every: int = 10
+    """With delta: versions divisible by this are pushed full (0: only when needed)."""
 
     def __post_init__(self) -> None:
         choice("weight_sync.transport", self.transport, ("rdma", "collective", "shm"))
@@ -33,6 +41,10 @@ class WeightSyncConfig:
         check(self.timeout_s > 0, "weight_sync.timeout_s", self.timeout_s, "> 0")
         check(_period(self.verify) is not None, "weight_sync.verify", self.verify,
               "'off', 'every' or a positive integer k (every k-th push)")
+        check(self.full_every >= 0, "weight_sync.full_every", self.full_every, ">= 0")
+        check(not (self.delta and self.transport == "shm"), "weight_sync.delta", self.delta,
+              "false with weight_sync.transport=shm (shm moves no bytes: the engine maps the trainer's slot, "
+              "so there is nothing for a delta to save); use rdma or collective")
 
     @property
     def verify_every(self) -> int:

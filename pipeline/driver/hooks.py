@@ -77,6 +77,7 @@ class Measure(Hook):
             "sync/latency_s": job.sync.last.get("total_s", float("nan")),
             "sync/verified_pushes": float(job.sync.verified_pushes),
             "sync/update_pause_s": sum(g["pause_s_mean"] for g in gens) / len(gens) if gens else float("nan"),
+            **sync_bytes(job.sync.last),
             "version/generator": served, "version/lag": job.version - served,
             "carry/samples": float(sum(g["carried_samples"] for g in gens)),
             "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),
@@ -258,6 +259,15 @@ def step_hooks(job: Any, sink: Any, progress: Any, checkpointing: Any, first_ste
         RolloutLog(job, sink, run.log_rollouts) if run.log_rollouts else Hook(),
         Record(sink, progress),
     ], sink)
+
+
+def sync_bytes(last: dict) -> dict[str, float]:
+    """What the last push moved (rdma, collective; NaN for shm, which moves none): sync/bytes to every
+    generator, sync/delta_fraction of a full push's bytes, sync/delta_receivers (weight_sync.delta)."""
+    nan = float("nan")
+    full = last.get("full_bytes", 0.0)
+    return {"sync/bytes": last.get("bytes", nan), "sync/delta_fraction": last["bytes"] / full if full else nan,
+            "sync/delta_receivers": last.get("delta_receivers", nan)}
 
 
 def rejected_metrics(gens: list[dict]) -> dict[str, float]:

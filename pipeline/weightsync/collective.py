@@ -12,7 +12,10 @@ generators live on other hosts). The backend is the trainer's (trainer.backend):
 copied to the host staging segment). The group forms lazily on the first push/pull, which must run
 concurrently (see WeightSender). Every collective runs on one worker thread per side, so the
 actor's event loop stays free, and waits at most `timeout_s`. A failed or timed-out collective
-leaves the group unusable: the run must fail (it does: the error propagates).
+leaves the group unusable: the run must fail (it does: the error propagates). With weight_sync.delta
+a rank whose slot offers a delta broadcasts it (its header, then the delta buckets, delta.py) instead
+of the buckets; the sender decides (WeightSync asks for the full version when any generator does not
+hold the previous one), and a receiver whose copy is not the delta's base fails after the broadcast.
 """
 
 from __future__ import annotations
@@ -104,17 +107,24 @@ class CollectiveSender(SenderTransport):
                                     master_listen_fd=sock.detach(), timeout=datetime.timedelta(seconds=cfg.timeout_s))
         self._group = _Group(backend, self._host, self._store.port, 0, world, cfg.timeout_s, self._host)
         self.slots = [Slot(torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device=device),
-                           torch.empty(self.nbytes, dtype=torch.uint8, device=device)) for _ in range(NUM_SLOTS)]
+                           torch.empty(self.nbytes, dtype=torch.uint8, device=device), **self.delta_buffers(device))
+                      for _ in range(NUM_SLOTS)]
         for s in self.slots:
-            s.header[seg.H_VERSION] = seg.EMPTY
+            s.header[seg.H_VERSION] = s.header[seg.H_BASE] = seg.EMPTY
 
     def handle_info(self) -> dict[str, Any]:
-        return {"host": self._host, "port": self._store.port, "backend": self.backend}
+        info = {"host": self._host, "port": self._store.port, "backend": self.backend}
+        if self.geometry is not None:
+            info["delta"] = True
+        return info
 
     async def send(self, slot: int, version: int, timeout_s: float) -> None:
+        """The header, then the delta (its header and buckets) when the slot offers one, else the buckets."""
         s = self.slots[slot]
-        await self._group.broadcast([s.header, *self.shards.buckets(self.rank, s.data)],
-                                    f"version {version} push of trainer rank {self.rank}", 1)
+        base, nbytes = (int(x) for x in s.header[[seg.H_BASE, seg.H_DELTA]].tolist())
+        body = self.shards.buckets(self.rank, s.data) if base == seg.EMPTY else \
+            [s.dheader, *self.geometry.buckets(s.delta, nbytes)]
+        await self._group.broadcast([s.header, *body], f"version {version} push of trainer rank {self.rank}", 1)
 
     def close(self) -> None:
         self._group.close()
@@ -133,16 +143,24 @@ class CollectiveReceiver(ReceiverTransport):
         self._headers = [torch.zeros(seg.HEADER_WORDS, dtype=torch.int64, device=dev) for _ in self.infos]
         # where each rank's buckets land: the stage itself when its bytes are the full layout
         self._flats = None if self.direct else [torch.empty(n, dtype=torch.uint8) for n in self.shards.totals]
+        # weight_sync.delta: where each rank's delta header and buckets land
+        self._dhead = [None if g is None else torch.zeros(g.header_words, dtype=torch.int64) for g in self.geometry]
+        self._dflat = [None if g is None else torch.zeros(g.capacity, dtype=torch.uint8) for g in self.geometry]
 
-    async def _pull_rank(self, r: int, version: int) -> None:
+    async def _pull_rank(self, r: int, version: int) -> int | None:
+        """Receive trainer rank r's part of `version`; returns the delta's length when it sent one."""
         group, what = self._groups[r], f"version {version} pull from trainer rank {r}"
         await group.broadcast([self._headers[r]], what, 1)
         # A mismatch here leaves the sender blocked on the buckets until its timeout: the run fails
         # on both sides, with this message being the cause.
-        seg.check_header(self._headers[r].cpu(), version, self.expect,
-                         f"collective push from trainer rank {r} at {group.host}")
-        host_buckets = self.plan.buckets(self._stage.data) if self.direct else \
-            self.shards.buckets(r, self._flats[r])
+        header = self._headers[r].cpu()
+        seg.check_header(header, version, self.expect, f"collective push from trainer rank {r} at {group.host}")
+        nbytes = None if int(header[seg.H_BASE]) == seg.EMPTY else int(header[seg.H_DELTA])
+        if nbytes is not None and self.geometry[r] is None:
+            raise TransportError(f"{what}: the sender pushes a delta to a receiver built without one")
+        # A delta is received whole even when this receiver cannot apply it (another base): the
+        # broadcast must complete for every member; apply_delta raises afterwards.
+        host_buckets = self._host_buckets(r, nbytes)
         if self._cuda:  # receive on device, copy each bucket to its place on the host
             dev = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, device="cuda")
             views = [dev[:b.numel()] for b in host_buckets]
@@ -150,14 +168,38 @@ class CollectiveReceiver(ReceiverTransport):
         else:
             views, after = host_buckets, None
         await group.broadcast(views, what, 0, after)
+        return nbytes
+
+    def _host_buckets(self, r: int, nbytes: int | None) -> list[torch.Tensor]:
+        if nbytes is None:
+            return self.plan.buckets(self._stage.data) if self.direct else self.shards.buckets(r, self._flats[r])
+        g = self.geometry[r]
+        if nbytes > g.capacity:
+            raise TransportError(f"collective push from trainer rank {r}: a delta of {nbytes} bytes, more than "
+                                 f"its {g.capacity}-byte buffer")
+        return [self._dhead[r].view(torch.uint8), *g.buckets(self._dflat[r], nbytes)]
 
     async def fetch(self, version: int, timeout_s: float) -> str:
+        held, self.held = self.held, None  # a fetch that fails leaves no valid copy: the next one is full
         seg.begin_write(self._stage.header)
-        await asyncio.gather(*[self._pull_rank(r, version) for r in range(len(self.infos))])
-        if self.direct:
-            seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
-        else:  # a thread: the copy of a large model must not stall the generator's event loop
-            await asyncio.to_thread(self.assemble, self._stage, self._flats, version)
+        world = range(len(self.infos))
+        deltas = await asyncio.gather(*[self._pull_rank(r, version) for r in world])
+        flats = [self._stage.data] if self.direct else self._flats
+
+        def finish() -> None:  # a thread: applying and assembling a large model must not stall the event loop
+            for r in world:
+                if deltas[r] is not None:
+                    self.apply_delta(r, flats[r], self._dhead[r], self._dflat[r], version, held)
+            if self.direct:
+                seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+            else:
+                self.assemble(self._stage, self._flats, version)
+
+        await asyncio.to_thread(finish)
+        self.held = version
+        moved = sum(self.shards.totals[r] if d is None else 8 * self.geometry[r].header_words + d
+                    for r, d in enumerate(deltas))
+        self.last = {"bytes": float(moved), "delta_ranks": float(sum(d is not None for d in deltas))}
         return self._stage.name
 
     def close(self) -> None:

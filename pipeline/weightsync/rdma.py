@@ -3,7 +3,10 @@
 Each trainer rank's sender registers one `RDMABuffer` per bucket per slot, plus one per slot header,
 once at construction (inside its actor). A receiver reads the slot headers, picks each rank's slot
 publishing the wanted version, reads all their buckets in one batched `RDMAAction`, then re-reads
-the headers to prove no slot was rewritten meanwhile. With one rank holding whole tensors the
+the headers to prove no slot was rewritten meanwhile. With weight_sync.delta a rank's slot also offers
+the delta against the previous version in buffers of its own (a read moves a whole buffer, so they are
+smaller than the buckets, delta.py); a receiver whose copy holds that base reads the delta header and
+the delta buckets in use instead of the full buckets, and applies them in place. With one rank holding whole tensors the
 buckets land straight at their place in the shared-memory staging segment (no unpack copy); with
 several, each rank's bytes land in a scratch buffer of that rank's size and are assembled into the
 staging segment (shard_plan.py). ibverbs where available, the TCP fallback otherwise.
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from pipeline.weightsync import segment as seg
+from pipeline.weightsync.delta import num_buckets
 from pipeline.weightsync.errors import ShortBufferError, TransportError
 from pipeline.weightsync.shard_plan import ShardPlan
 from pipeline.weightsync.transport import (NUM_SLOTS, ReceiverTransport, SenderTransport, Slot, SyncHandle,
@@ -35,23 +39,31 @@ class RdmaSender(SenderTransport):
     def __init__(self, shards: ShardPlan, rank: int, num_receivers: int, cfg) -> None:
         super().__init__(shards, rank, num_receivers, cfg)
         RDMABuffer = _rdma().RDMABuffer
-        self.slots, self._headers, self._buckets = [], [], []
+        self.slots, self._headers, self._buckets, self._dheaders, self._deltas = [], [], [], [], []
         for _ in range(NUM_SLOTS):
             header = torch.zeros(seg.HEADER_WORDS, dtype=torch.int64)
-            header[seg.H_MAGIC], header[seg.H_VERSION] = seg.MAGIC, seg.EMPTY
+            header[seg.H_MAGIC], header[seg.H_VERSION], header[seg.H_BASE] = seg.MAGIC, seg.EMPTY, seg.EMPTY
             data = torch.empty(self.nbytes, dtype=torch.uint8)
-            self.slots.append(Slot(header, data))
+            slot = Slot(header, data, **self.delta_buffers())
+            self.slots.append(slot)
             self._headers.append(RDMABuffer(header.view(torch.uint8)))
             self._buckets.append([RDMABuffer(b) for b in shards.buckets(rank, data)])
+            if self.geometry is not None:  # a read moves a whole buffer: the delta's buckets are registered apart
+                self._dheaders.append(RDMABuffer(slot.dheader.view(torch.uint8)))
+                self._deltas.append([RDMABuffer(b) for b in self.geometry.buckets(slot.delta)])
 
     def handle_info(self) -> dict[str, Any]:
-        return {"headers": self._headers, "buckets": self._buckets}
+        info = {"headers": self._headers, "buckets": self._buckets}
+        if self.geometry is not None:
+            info["delta"] = {"headers": self._dheaders, "buckets": self._deltas}
+        return info
 
     def close(self) -> None:
         # Fire-and-forget: close() may run inside the owner's event loop, where blocking is not allowed.
-        for buf in [*self._headers, *(b for bs in self._buckets for b in bs)]:
+        for buf in [*self._headers, *(b for bs in self._buckets for b in bs), *self._dheaders,
+                    *(b for bs in self._deltas for b in bs)]:
             buf.drop()
-        self._headers, self._buckets, self.slots = [], [], []
+        self._headers, self._buckets, self.slots, self._dheaders, self._deltas = [], [], [], [], []
 
 
 class RdmaReceiver(ReceiverTransport):
@@ -66,6 +78,9 @@ class RdmaReceiver(ReceiverTransport):
             [self.shards.buckets(r, f) for r, f in enumerate(self._flats)]
         self._local_headers = [[torch.zeros(seg.HEADER_WORDS, dtype=torch.int64) for _ in range(NUM_SLOTS)]
                                for _ in self.infos]
+        # weight_sync.delta: where each rank's delta header and buckets land
+        self._dhead = [None if g is None else torch.zeros(g.header_words, dtype=torch.int64) for g in self.geometry]
+        self._dflat = [None if g is None else torch.zeros(g.capacity, dtype=torch.uint8) for g in self.geometry]
         for r, (slots, locals_) in enumerate(zip(self._buckets, self._local)):
             for slot, bufs in enumerate(slots):
                 if len(bufs) != len(locals_):
@@ -92,6 +107,7 @@ class RdmaReceiver(ReceiverTransport):
 
     async def fetch(self, version: int, timeout_s: float) -> str:
         world = range(len(self.infos))
+        held, self.held = self.held, None  # a fetch that fails leaves no valid copy: the next one is full
 
         async def slot_of(r: int) -> int:
             async def versions() -> list[int]:
@@ -104,11 +120,20 @@ class RdmaReceiver(ReceiverTransport):
 
         chosen = await asyncio.gather(*[slot_of(r) for r in world])
         seg.begin_write(self._stage.header)
-        action = _rdma().RDMAAction()
+        action, nb, moved = _rdma().RDMAAction(), 0, 0
+        deltas = [self.delta_len(r, self._local_headers[r][chosen[r]], held) for r in world]
         for r in world:
-            for buf, local in zip(self._buckets[r][chosen[r]], self._local[r]):
+            if deltas[r] is None:  # the full bytes
+                pairs = list(zip(self._buckets[r][chosen[r]], self._local[r]))
+            else:  # the delta's header and the buckets it uses
+                remote = self.infos[r]["delta"]
+                dbufs = self.geometry[r].buckets(self._dflat[r])[:num_buckets(deltas[r], self.geometry[r].bucket)]
+                pairs = [(remote["headers"][chosen[r]], self._dhead[r].view(torch.uint8)),
+                         *zip(remote["buckets"][chosen[r]], dbufs)]
+            for buf, local in pairs:
                 action.read_remote(local, buf)
-        nb = sum(len(b) for b in self._local)
+                moved += local.numel()
+            nb += len(pairs)
         try:
             await action.submit(timeout=max(1, math.ceil(timeout_s)))
         except Exception as e:
@@ -118,10 +143,20 @@ class RdmaReceiver(ReceiverTransport):
         for r in world:
             seg.check_header(self._local_headers[r][chosen[r]], version, self.expect,
                              self._where(r, chosen[r]), after_read=True)
-        if self.direct:
-            seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
-        else:  # a thread: the copy of a large model must not stall the generator's event loop
-            await asyncio.to_thread(self.assemble, self._stage, self._flats, version)
+        flats = [self._stage.data] if self.direct else self._flats
+
+        def finish() -> None:  # a thread: applying and assembling a large model must not stall the event loop
+            for r in world:
+                if deltas[r] is not None:
+                    self.apply_delta(r, flats[r], self._dhead[r], self._dflat[r], version, held)
+            if self.direct:
+                seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+            else:
+                self.assemble(self._stage, self._flats, version)
+
+        await asyncio.to_thread(finish)
+        self.held = version
+        self.last = {"bytes": float(moved), "delta_ranks": float(sum(d is not None for d in deltas))}
         return self._stage.name
 
     def close(self) -> None:

@@ -29,7 +29,9 @@ class WeightReceiver:
 
     `loaded_version` is the last version fully loaded into the engine (set by `load_into_vllm`);
     `pulled_version` the last one staged. A pull of a version not newer than the loaded one raises
-    VersionRegressionError.
+    VersionRegressionError. `last_timing` after a pull: pull_s, and for rdma / collective the bytes
+    it moved (`bytes`), what a full pull moves (`full_bytes`) and how many trainer ranks' parts came
+    as a delta (`delta_ranks`, weight_sync.delta).
     """
 
     def __init__(self, handle: SyncHandle, rank: int) -> None:
@@ -59,7 +61,8 @@ class WeightReceiver:
         except asyncio.TimeoutError:
             raise SyncTimeoutError(f"version {version}: pull over {self.handle.kind} by receiver {self.rank} "
                                    f"did not finish within {backstop:.1f}s") from None
-        self.last_timing = {"pull_s": time.perf_counter() - t0}
+        self.last_timing = {"pull_s": time.perf_counter() - t0, **self.transport.last,
+                            "full_bytes": float(sum(self.transport.shards.totals))}
         self._segment, self.pulled_version = seg, version
 
     def staged_segment(self, version: int) -> str:

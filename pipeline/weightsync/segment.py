@@ -24,8 +24,9 @@ HEADER_BYTES = 4096
 HEADER_WORDS = 8
 MAGIC = 0x4D524C5753  # "MRLWS"
 EMPTY, WRITING = -2, -1
-# header word indices
-H_MAGIC, H_VERSION, H_PLAN, H_TOTAL = 0, 1, 2, 3
+# header word indices; a trainer slot's H_BASE / H_DELTA: the version its delta is against (EMPTY: no
+# delta offered, read the full bytes) and the delta's wire length (pipeline/weightsync/delta.py)
+H_MAGIC, H_VERSION, H_PLAN, H_TOTAL, H_BASE, H_DELTA = 0, 1, 2, 3, 4, 5
 
 
 class Segment:

@@ -12,6 +12,7 @@ import torch
 
 from pipeline.config import WeightSyncConfig
 from pipeline.types import WeightVersion
+from pipeline.weightsync import delta as dl
 from pipeline.weightsync import segment as seg
 from pipeline.weightsync.checksum import Checksum, add, of_box
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
@@ -98,10 +99,14 @@ class WeightSender:
         return SyncHandle(self.cfg.transport, self.plan, self.num_receivers, self.cfg.timeout_s,
                           {"ranks": [self.transport.handle_info()]}, self.shards)
 
-    def pack(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], version: int) -> int:
+    def pack(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], version: int,
+             full: bool = False) -> int:
         """Snapshot this rank's part into the next slot and publish `version`; returns the slot index.
         `tensors`: the HF state dict (no holdings given), else the tensor of each of this rank's boxes
-        in holdings order, any dtype (each is cast to the plan's while it is copied)."""
+        in holdings order, any dtype (each is cast to the plan's while it is copied). With
+        weight_sync.delta the slot also offers the delta against the previous version (still in the
+        other slot) unless `full` (collective: a receiver is behind), the version is a multiple of
+        full_every, or the delta would exceed half the full bytes (delta.py)."""
         if self._last_version is not None and version <= self._last_version:
             raise VersionRegressionError(f"version {version}: push after version {self._last_version}; "
                                          "versions must strictly increase")
@@ -116,14 +121,32 @@ class WeightSender:
         t0 = time.perf_counter()
         seg.begin_write(slot.header)
         sent = self.shards.pack(self.rank, tensors, slot.data, version)
+        t1 = time.perf_counter()
+        slot.header[seg.H_BASE], slot.header[seg.H_DELTA] = self._delta(slot_idx, version, full)
         if slot.data.is_cuda:
             torch.cuda.synchronize(slot.data.device)
         seg.end_write(slot.header, version, self.shards.header_hash_int, self.shards.totals[self.rank])
-        self.last_timing = {"pack_s": time.perf_counter() - t0, "bytes": float(sent)}
+        t2 = time.perf_counter()
+        self.last_timing = {"pack_s": t2 - t0, "bytes": float(sent), "delta_s": t2 - t1,
+                            "delta_bytes": float(slot.header[seg.H_DELTA])}
         self._pushes += 1
         self._last_version = version
         self._slot_of = {version: slot_idx}
         return slot_idx
+
+    def _delta(self, slot_idx: int, version: int, full: bool) -> tuple[int, int]:
+        """(base version, wire bytes) of the delta packed beside `version` into the slot, or (EMPTY, -1)."""
+        g, cfg = self.transport.geometry, self.cfg
+        if g is None or full or self._last_version is None or (cfg.full_every and version % cfg.full_every == 0):
+            return seg.EMPTY, -1
+        new, old = self.transport.slots[slot_idx], self.transport.slots[(slot_idx - 1) % NUM_SLOTS]
+        if int(old.header[seg.H_VERSION]) != self._last_version:  # the base slot is not the last version
+            return seg.EMPTY, -1
+        n = dl.pack(g.spans, old.data, new.data, new.delta, g.bucket, self.shards.totals[self.rank] // 2)
+        if n is None:
+            return seg.EMPTY, -1
+        dl.write_header(new.dheader, version, self._last_version, n, dl.checksums(g.spans, new.data))
+        return self._last_version, n
 
     def checksums(self, version: int) -> dict[str, Checksum]:
         """This rank's share of the checksum of each HF tensor it sends (pipeline/weightsync/checksum.py
@@ -161,11 +184,13 @@ class WeightSender:
         return WeightVersion(version, self.plan.hash, self.plan.num_buckets, self.plan.total_bytes)
 
     async def publish(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                      version: int) -> WeightVersion:
-        """Pack `version` and start its transfer; returns once `tensors` may change (see above)."""
+                      version: int, full: bool = False) -> WeightVersion:
+        """Pack `version` and start its transfer; returns once `tensors` may change (see above).
+        `full`: offer no delta (weight_sync.delta; collective: some receiver does not hold the
+        previous version)."""
         await self.flush()
         # A thread, so a large copy does not stall the actor's event loop (torch drops the GIL).
-        await asyncio.to_thread(self.pack, tensors, version)
+        await asyncio.to_thread(self.pack, tensors, version, full)
         self._sending = asyncio.create_task(self.send(version), name=f"weightsync-send-v{version}")
         return WeightVersion(version, self.plan.hash, self.plan.num_buckets, self.plan.total_bytes)
 
@@ -176,9 +201,9 @@ class WeightSender:
             await task
 
     async def push(self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-                   version: int) -> WeightVersion:
+                   version: int, full: bool = False) -> WeightVersion:
         """publish + flush: returns once the transfer is done (collective: every receiver joined)."""
-        wv = await self.publish(tensors, version)
+        wv = await self.publish(tensors, version, full)
         await self.flush()
         return wv
 

@@ -32,6 +32,10 @@ Ordering contract:
     of the push like a failed load (SyncError naming the generator, the version and the tensors).
     The first push of a run, when verify is on, corrupts every generator's served weights inside
     its apply's pause, before the load: its verify then proves the load rewrote every served byte.
+  * Delta (weight_sync.delta, delta.py): rdma receivers read the delta only if their staged copy
+    holds its base, else the full bytes; a collective broadcast is one choice for all, so `start`
+    asks for full when any live generator does not serve the version pushed last (a replacement, a
+    failed push, a resume). A receiver that fails to apply a delta holds no valid copy after it.
   * At most one push is in flight: `start(v+1)` first awaits the push of v, since the trainer's
     slot of v-1 is overwritten by v+1 and a receiver must never read a slot being rewritten.
   * Every call is bounded: the transfer by weight_sync.timeout_s, apply by that plus
@@ -94,9 +98,11 @@ class WeightSync:
         self.served: dict[int, int] = {}
         self.pushes = 0  # pushes started by this object: weight_sync.verify counts them
         self.verified_pushes = 0  # pushes whose every member's served weights matched the trainer's
+        self._pushed: int | None = None  # the version last packed: the base of the next delta
         self.last: dict[str, float] = {}
         """Timing of the last finished push: total_s, pack_s, stage_s, apply_s, and verify_s when
-        it was verified (seconds, the slowest generator's read-back)."""
+        it was verified (seconds, the slowest generator's read-back); rdma, collective: bytes moved
+        to every generator, full_bytes (a full push's), delta_receivers (generators sent a delta)."""
 
     @property
     def kind(self) -> str:
@@ -162,7 +168,8 @@ class WeightSync:
             if self._rewire:
                 await self._attach()
             t0 = time.monotonic()
-            await self.trainer.push_weights()
+            await self.trainer.push_weights(self._full())
+            self._pushed = version
             packed = time.monotonic()
             self.pushes += 1
             verify = None
@@ -171,6 +178,12 @@ class WeightSync:
                                  corrupt_first=self.pushes == 1)
             self._task = asyncio.create_task(self._deliver(version, t0, packed, verify),
                                              name=f"weight-push-v{version}")
+
+    def _full(self) -> bool:
+        """Collective with weight_sync.delta: a live generator lacks the base, so push full."""
+        if self.kind != "collective" or not self.cfg.weight_sync.delta:
+            return False
+        return any(self.served.get(i) != self._pushed for i, _ in self.live())
 
     async def wait(self) -> float:
         """Wait for the push in flight (if any); raises its error. Seconds end to end of the last push.
@@ -205,9 +218,9 @@ class WeightSync:
 
     async def _deliver_to(self, version: int, t0: float, packed: float, verify: "_Verify | None") -> None:
         ws, g = self.cfg.weight_sync, self.cfg.generator
-        members = self.live()
+        members, pulls = self.live(), {}
         ok = await _bounded(f"weight push v{version}: stage over {self.kind}", asyncio.gather(
-            *[self._member(i, gen, self._stage(i, gen, version)) for i, gen in members]), ws.timeout_s + 30)
+            *[self._member(i, gen, self._stage(i, gen, version, pulls)) for i, gen in members]), ws.timeout_s + 30)
         members = [m for m, good in zip(members, ok) if good]
         staged = time.monotonic()
         apply_timeout = ws.timeout_s + g.request_timeout_s
@@ -221,6 +234,10 @@ class WeightSync:
                                         for i, gen in members])
         done = time.monotonic()
         self.last = {"total_s": done - t0, "pack_s": packed - t0, "stage_s": staged - packed, "apply_s": done - staged}
+        if pulls and all("bytes" in p for p in pulls.values()):  # rdma, collective: what crossed the wire
+            self.last.update({"bytes": sum(p["bytes"] for p in pulls.values()),
+                              "full_bytes": sum(p["full_bytes"] for p in pulls.values()),
+                              "delta_receivers": float(sum(p.get("delta_ranks", 0) > 0 for p in pulls.values()))})
         if verify is not None:
             self.last["verify_s"] = verify.seconds
             if all(ok) and ok:
@@ -251,10 +268,11 @@ class WeightSync:
             if self._parts.get(i) is part:
                 del self._parts[i]
 
-    async def _stage(self, i: int, gen: Any, version: int) -> None:
+    async def _stage(self, i: int, gen: Any, version: int, pulls: dict[int, dict]) -> None:
+        """Stage `version` on generator i; its pull's report (bytes moved, ...) goes in pulls[i]."""
         try:  # bounded per member, so one hung generator is taken out instead of failing the push
-            await _bounded(f"generator{i}.stage_weights({version})", gen.stage_weights.call_one(version),
-                           self.cfg.weight_sync.timeout_s + 5)
+            pulls[i] = await _bounded(f"generator{i}.stage_weights({version})", gen.stage_weights.call_one(version),
+                                      self.cfg.weight_sync.timeout_s + 5)
         except SyncError:
             raise
         except Exception as e:

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
+from pipeline.weightsync import delta as dl
 from pipeline.weightsync import segment as seg
 from pipeline.weightsync.errors import PlanMismatchError, SyncTimeoutError, VersionRegressionError
 from pipeline.weightsync.plan import BucketPlan
@@ -36,8 +37,10 @@ NUM_SLOTS = 2
 
 @dataclass
 class Slot:
-    header: torch.Tensor  # int64[8], see shm.py for the word layout
+    header: torch.Tensor  # int64[8], see segment.py for the word layout
     data: torch.Tensor  # uint8[plan.total_bytes]
+    dheader: torch.Tensor | None = None  # weight_sync.delta: int64 delta header (delta.py)
+    delta: torch.Tensor | None = None  # weight_sync.delta: uint8 delta buckets (delta.capacity bytes)
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,15 @@ class SenderTransport(ABC):
         self.shards, self.rank, self.num_receivers, self.cfg = shards, rank, num_receivers, cfg
         self.nbytes = shards.totals[rank]
         self.slots: list[Slot] = []
+        self.geometry = DeltaGeometry(shards, rank) if cfg.delta else None
+
+    def delta_buffers(self, device: str = "cpu") -> dict:
+        """A slot's delta header and buffer (Slot fields) when weight_sync.delta is on, else nothing."""
+        g = self.geometry
+        if g is None:
+            return {}
+        return {"dheader": torch.zeros(dl.header_words(len(g.spans)), dtype=torch.int64, device=device),
+                "delta": torch.zeros(g.capacity, dtype=torch.uint8, device=device)}
 
     @abstractmethod
     def handle_info(self) -> dict[str, Any]:
@@ -90,9 +102,31 @@ class SenderTransport(ABC):
         pass
 
 
+class DeltaGeometry:
+    """Trainer rank `rank`'s delta layout, the same on both sides: its spans, delta bucket size and
+    the capacity of a slot's delta buffer (delta.py)."""
+
+    def __init__(self, shards: ShardPlan, rank: int) -> None:
+        self.spans = dl.spans_of(shards, rank)
+        self.bucket = dl.delta_bucket_bytes(shards.totals[rank], shards.bucket_bytes)
+        self.capacity = dl.capacity(shards.totals[rank], self.bucket)
+        self.header_words = dl.header_words(len(self.spans))
+
+    def buckets(self, flat: torch.Tensor, nbytes: int | None = None) -> list[torch.Tensor]:
+        """Views of the delta buckets in `flat`: all of its capacity, or those of a delta of `nbytes`
+        (the last one cut to its length)."""
+        end = self.capacity if nbytes is None else nbytes
+        return [flat[a:min(a + self.bucket, end)] for a in range(0, end, self.bucket)]
+
+
 class ReceiverTransport(ABC):
     """`direct`: one sender whose bytes are the full layout (no assembly); else the ranks' bytes are
-    assembled into a staging segment of the receiver's own."""
+    assembled into a staging segment of the receiver's own.
+
+    Delta (weight_sync.delta; a rank whose handle carries delta buffers): `held` is the version
+    every rank's bytes in the receiver's copy hold (None: no valid copy: nothing yet, or the last
+    fetch failed, so the next must be full). `last` reports the last fetch: bytes moved, ranks
+    applied as a delta."""
 
     def __init__(self, handle: SyncHandle, rank: int) -> None:
         self.handle, self.plan, self.rank = handle, handle.plan, rank
@@ -107,6 +141,27 @@ class ReceiverTransport(ABC):
         if not self.direct and self.shards.full.hash != self.plan.hash:
             raise PlanMismatchError(f"receiver {rank}: bucket plan {self.plan.hash} is not the one the shard plan "
                                     f"{self.shards.hash} assembles ({self.shards.full.hash})")
+        self.geometry = [DeltaGeometry(self.shards, r) if "delta" in info else None
+                         for r, info in enumerate(self.infos)]
+        self.held: int | None = None
+        self.last: dict[str, float] = {}
+
+    def delta_len(self, r: int, header: torch.Tensor, held: int | None) -> int | None:
+        """Wire length of the delta rank `r`'s slot header offers against version `held` (what this
+        receiver's copy holds), or None: read the full bytes (no delta offered, or another base)."""
+        base = int(header[seg.H_BASE])
+        if self.geometry[r] is None or base == seg.EMPTY or held is None or base != held:
+            return None
+        return int(header[seg.H_DELTA])
+
+    def apply_delta(self, r: int, flat: torch.Tensor, dheader: torch.Tensor, buf: torch.Tensor, version: int,
+                    held: int | None) -> None:
+        """Rank r's delta of `version` (its header `dheader`, buckets at `buf`) onto `flat`, which holds
+        version `held`; every span checked against the trainer's checksums. DeltaError on any fault."""
+        g, where = self.geometry[r], f"receiver {self.rank} (trainer rank {r}'s shard)"
+        nbytes, sums = dl.read_header(dheader.cpu(), g.spans, version, held, where)
+        dl.apply(g.spans, buf, nbytes, g.bucket, flat, version, where)
+        dl.check(g.spans, flat, sums, version, where)
 
     def assemble(self, stage: seg.Segment, flats: list[torch.Tensor], version: int,
                  recheck: Callable[[], None] | None = None) -> None:
