@@ -184,19 +184,7 @@ class CollectiveReceiver(ReceiverTransport):
         seg.begin_write(self._stage.header)
         world = range(len(self.infos))
         deltas = await asyncio.gather(*[self._pull_rank(r, version) for r in world])
-        flats = [self._stage.data] if self.direct else self._flats
-
-        def finish() -> None:  # a thread: applying and assembling a large model must not stall the event loop
-            for r in world:
-                if deltas[r] is not None:
-                    self.apply_delta(r, flats[r], self._dhead[r], self._dflat[r], version, held)
-            if self.direct:
-                seg.end_write(self._stage.header, version, self.plan.hash_int, self.plan.total_bytes)
-            else:
-                self.assemble(self._stage, self._flats, version)
-
-        await asyncio.to_thread(finish)
-        self.held = version
+        await self.publish_staged(self._stage, self._flats, deltas, self._dhead, self._dflat, version, held)
         moved = sum(self.shards.totals[r] if d is None else 8 * self.geometry[r].header_words + d
                     for r, d in enumerate(deltas))
         self.last = {"bytes": float(moved), "delta_ranks": float(sum(d is not None for d in deltas))}

@@ -173,6 +173,26 @@ class ReceiverTransport(ABC):
             recheck()
         seg.end_write(stage.header, version, self.plan.hash_int, self.plan.total_bytes)
 
+    async def publish_staged(self, stage: seg.Segment, flats: list[torch.Tensor] | None,
+                             deltas: list[int | None], dheads: list[torch.Tensor], dflats: list[torch.Tensor],
+                             version: int, held: int | None) -> None:
+        """Finish a fetch whose bytes have landed: apply each rank's delta (deltas[r] not None; its
+        header dheads[r], buckets dflats[r]) onto the copy of `held`, then publish `version` in `stage`
+        (directly, or assembled from the ranks' `flats`), and record it as held. In a thread: applying
+        and assembling a large model must not stall the event loop."""
+        def finish() -> None:
+            targets = [stage.data] if self.direct else flats
+            for r, d in enumerate(deltas):
+                if d is not None:
+                    self.apply_delta(r, targets[r], dheads[r], dflats[r], version, held)
+            if self.direct:
+                seg.end_write(stage.header, version, self.plan.hash_int, self.plan.total_bytes)
+            else:
+                self.assemble(stage, flats, version)
+
+        await asyncio.to_thread(finish)
+        self.held = version
+
     @abstractmethod
     async def fetch(self, version: int, timeout_s: float) -> str:
         """Bring `version` into a mappable segment and return its name; raise on any failure."""
