@@ -137,7 +137,7 @@ class ShardedMesh:
         self.ranks = ranks
         self.weight_checksums, self.push_weights = Call(self.shares), Call(self.packed)
 
-    async def packed(self):
+    async def packed(self, full: bool = False):
         return {r: None for r in range(self.ranks)}
 
     async def shares(self, version: int):
