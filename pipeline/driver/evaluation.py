@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from collections import Counter
 from math import comb
@@ -99,17 +100,33 @@ class Evaluation:
         return greedy, sampled
 
     async def _on_a_generator(self, work: Callable[[Any], Any]) -> Any:
-        """`work(handle)` on the first live generator; one that fails is reported and the next tried."""
-        live = self.fleet.live_generators()
-        for k, (i, slot) in enumerate(live):  # a generator dying meanwhile: the next
-            try:
-                return await work(slot.handle)
-            except Exception as e:
-                if k == len(live) - 1:
-                    raise
-                log.warning("eval on generator%d failed (%s); trying the next", i, e)
-                self.report(i, e)
-        raise RunError("evaluate: no generator is serving (all are being restarted)")
+        """`work(handle)` on the first live generator; one that fails is reported (the supervisor
+        restarts it) and the next tried. With every generator being restarted, or every one failing,
+        it waits for one to serve again (at most generator.start_timeout_s, a restart's own bound)
+        and tries once more."""
+        last: BaseException | None = None
+        failed: set[tuple[int, int]] = set()  # (generator, incarnation): a restarted one is tried again
+        for _ in range(2):
+            for i, slot in await self._serving(failed):  # a generator dying meanwhile: the next
+                try:
+                    return await work(slot.handle)
+                except Exception as e:
+                    log.warning("eval on generator%d failed (%s); trying the next", i, e)
+                    self.report(i, e)
+                    failed.add((i, slot.incarnation))
+                    last = e
+        raise RunError(f"evaluate: every serving generator failed it, twice; the last error: {last}") from last
+
+    async def _serving(self, failed: set[tuple[int, int]]) -> list:
+        """The live generators but those that already failed this evaluation in their incarnation."""
+        bound = self.cfg.generator.start_timeout_s
+        deadline = time.monotonic() + bound
+        while not (live := [(i, s) for i, s in self.fleet.live_generators() if (i, s.incarnation) not in failed]):
+            if time.monotonic() >= deadline:
+                raise RunError(f"evaluate: no generator is serving after waiting generator.start_timeout_s="
+                               f"{bound:.0f}s for one to be restarted")
+            await asyncio.sleep(0.2)  # the supervisor restarts generators in its own task
+        return live
 
     async def _score(self, items: list, outs: list, rejected: Counter) -> list[float | None]:
         """Each completion's reward by the task; None for one the generator could not serve (None)
