@@ -15,16 +15,17 @@ import asyncio
 
 import pytest
 import torch
-from monarch.actor import Actor, current_rank, endpoint, this_host
+from monarch.actor import Actor, current_rank, endpoint
 
 from pipeline.config import WeightSyncConfig
 from pipeline.weightsync import WeightReceiver, WeightSender
 from pipeline.weightsync.segment import Segment
 from pipeline.weightsync.transport import merge_handles
 
+# the same trainer (1 proc) and generator (2 procs) meshes as the full-push tests, one pair per module
+from .test_weightsync_transports import GET_S, NUM_RECEIVERS, meshes  # noqa: F401
+
 pytestmark = pytest.mark.slow
-NUM_RECEIVERS = 2
-GET_S = 120
 ROWS = 64
 
 
@@ -115,14 +116,6 @@ class ReceiverActor(Actor):
         if self.receiver is not None:
             self.receiver.close()
 
-
-@pytest.fixture(scope="module")
-def meshes():
-    trainer = this_host().spawn_procs(per_host={"procs": 1})
-    gens = this_host().spawn_procs(per_host={"procs": NUM_RECEIVERS})
-    yield trainer, gens
-    trainer.stop().get(timeout=GET_S)
-    gens.stop().get(timeout=GET_S)
 
 
 def spawn(meshes, transport: str, world: int, name: str):
