@@ -133,6 +133,11 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # what this bench runs, so `tools/plan.py validate` can simulate any configuration measured here
+    (out / "bench.json").write_text(json.dumps({
+        "config": args.config, "max_tokens": args.max_tokens, "steps": args.steps, "batch_groups": args.batch_groups,
+        "group_size": args.group_size, "placement": args.placement, "overrides": args.overrides}, indent=1))
     print(f"[pipeline_bench] placement {args.placement}: {' '.join(placement(args.placement)) or 'unpinned'}")
     runs: dict[str, list[dict]] = {"sync": [], "async": []}
     for rep in range(args.repeats):  # alternate, so a drift in the machine's load hits both modes alike

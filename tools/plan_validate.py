@@ -6,9 +6,10 @@
     python tools/plan.py validate bench_out/val --costs tools/plan_data/costs_here.json \
         --record tools/plan_data/validation.json --plot docs/img/planner_validation.png
 
-Every directory under RUNS named in CASES holds one configuration's pipeline_bench output
-(sync0/, async0/, ..., and more repeats in subdirectories, e.g. rep2/sync0/); it is simulated from
-the cost file with the same config (CASES gives its overrides) and the task's own lengths. Per configuration: async/sync tokens/s
+Every directory under RUNS holding a pipeline_bench output (sync0/, async0/, ..., and more
+repeats in subdirectories, e.g. rep2/sync0/) is one configuration; it is simulated from the cost
+file with the same config (its bench.json, which pipeline_bench writes; for runs made before it
+did, CASES by the directory's name) and the task's own lengths. Per configuration: async/sync tokens/s
 ratio (target: within 10% of the real one), trainer idle and dropped fraction per mode (within
 0.05 absolute). Real figures are medians over the repeats; cases whose sync configuration is the
 same (sync mode sets Δ, max_staleness and on_update itself) share their real sync runs. The
@@ -57,6 +58,20 @@ def bench_overrides(extra: list[str], max_tokens: int, steps: int = 12, B: int =
             "run.warm_start_steps=0", *extra]
 
 
+def bench_case(d: Path, config: str = "configs/tiny.yaml") -> tuple[str, list[str], int] | None:
+    """(config, overrides, steps) of the pipeline_bench output in `d`: its bench.json, else CASES by
+    the directory's name (runs made before pipeline_bench wrote bench.json), else None."""
+    f = d / "bench.json"
+    if f.is_file():
+        b = json.loads(f.read_text())
+        return b["config"], bench_overrides(b["overrides"], b["max_tokens"], b["steps"], b["batch_groups"],
+                                            b["group_size"]), b["steps"]
+    if d.name in CASES:
+        extra, max_tokens = CASES[d.name]
+        return config, bench_overrides(extra, max_tokens), 12
+    return None
+
+
 def _median(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in KEYS}
 
@@ -83,15 +98,13 @@ def _sync_scaled(costs, real_sync: dict, pred_sync: dict):
             "admit_s")})), ft, fg
 
 
-def compare(name: str, runs: dict[str, list[Path]], costs, config: str = "configs/tiny.yaml",
+def compare(name: str, runs: dict[str, list[Path]], costs, config: str, overrides: list[str], steps: int,
             disturbed_above: float = 0.0) -> dict:
-    """Real (medians over `runs[mode]`) against predicted, for the configuration CASES[name]. With
+    """Real (medians over `runs[mode]`) against predicted, for `config` with `overrides`. With
     disturbed_above > 0, a run whose mean train call is more than that many times the simulated one
     (contention included) is left out and listed under "disturbed": the trainer's core was busy with
     other work then (a case with "skipped" if no run of a mode is left)."""
-    extra, max_tokens = CASES[name]
-    steps = 12
-    case = {"name": name, "overrides": bench_overrides(extra, max_tokens, steps), "steps": steps,
+    case = {"name": name, "config": config, "overrides": overrides, "steps": steps,
             "real": {}, "predicted": {}, "predicted_from_sync_arm": {}, "rows": {}, "disturbed": []}
     for mode in ("sync", "async"):
         cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
@@ -147,6 +160,7 @@ def resimulate(record: Path, costs_path: str, config: str = "configs/tiny.yaml")
     costs = load_costs(costs_path)
     cases = json.loads(record.read_text())["cases"]
     for case in cases:
+        config = case.get("config", config)  # older records: the default config
         for mode in ("sync", "async"):
             cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
             s = simulate(cfg, costs, workload_from_spec("task", cfg), steps=case["steps"]).summary()
@@ -184,18 +198,21 @@ def table(cases: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def collect(runs: Path, config: str = "configs/tiny.yaml") -> dict[str, dict[str, list[Path]]]:
-    """Per case under `runs`: its async run directories, and the sync ones of every case with the same
-    sync configuration (pooled)."""
-    found = {}
-    for d in sorted(p for p in runs.iterdir() if p.is_dir() and p.name in CASES):
+def collect(runs: Path, config: str = "configs/tiny.yaml") -> dict[str, dict]:
+    """Per case under `runs`: its (config, overrides, steps), its async run directories, and the sync
+    ones of every case with the same sync configuration (pooled)."""
+    found, spec = {}, {}
+    for d in sorted(p for p in runs.iterdir() if p.is_dir()):
+        if (s := bench_case(d, config)) is None:
+            continue
+        spec[d.name] = s
         found[d.name] = {m: sorted(x.parent for x in d.glob(f"**/{m}[0-9]*/summary.json")) for m in ("sync", "async")}
-    key = {n: _sync_key(load_config(config, [*bench_overrides(*CASES[n]), "run.mode=sync"])) for n in found}
+    key = {n: (spec[n][0], _sync_key(load_config(spec[n][0], [*spec[n][1], "run.mode=sync"]))) for n in found}
     out = {}
     for n, r in found.items():
         pooled = [d for m, rr in found.items() if key[m] == key[n] for d in rr["sync"]]
         if pooled and r["async"]:
-            out[n] = {"sync": pooled, "async": r["async"]}
+            out[n] = {"spec": spec[n], "sync": pooled, "async": r["async"]}
         else:
             print(f"skipped {n}: no finished {'sync' if not pooled else 'async'} run under {runs / n}")
     return out
@@ -208,11 +225,13 @@ def validate(runs: Path, costs_path: str, record: str | None, plot: str | None, 
     if runs.is_file():
         cases, plot, skipped = resimulate(runs, costs_path), None, []
     else:
-        every = [compare(name, r, costs, disturbed_above=disturbed_above) for name, r in collect(runs).items()]
+        every = [compare(name, r, costs, *r["spec"], disturbed_above=disturbed_above)
+                 for name, r in collect(runs).items()]
         cases = [c for c in every if "skipped" not in c]
         skipped = [c for c in every if "skipped" in c]
     if not cases:
-        raise SystemExit(f"validate: no finished pipeline_bench runs named {sorted(CASES)} under {runs}")
+        raise SystemExit(f"validate: no finished pipeline_bench runs (a directory with bench.json, or named one of "
+                         f"{sorted(CASES)}) under {runs}")
     print(table(cases))
     for c in skipped:
         print(f"skipped {c['name']}: {c['skipped']}")
