@@ -23,7 +23,8 @@ BENCH = ["task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", "gene
 COSTS = {"generator": {"iter_base_s": 0.002, "iter_per_seq_s": 5e-5, "iter_per_ctx_token_s": 0.0,
                        "prefill_per_token_s": 1e-5, "request_overhead_s": 5e-4,
                        "admit_s": 0.002},
-         "trainer": {"step_base_s": 0.05, "epoch_base_s": 0.0, "per_token_s": 5e-5, "padding": "max"},
+         "trainer": {"step_base_s": 0.05, "step_per_token_s": 0.0, "epoch_base_s": 0.0, "per_token_s": 5e-5,
+                     "padding": "max"},
          "push": {"bytes": 1.2e6, "pack_base_s": 0.005, "pack_per_byte_s": 0.0, "transfer_base_s": 0.005,
                   "transfer_per_byte_s": 0.0, "load_base_s": 0.025, "load_per_byte_s": 0.0},
          "controller": {"step_overhead_s": 0.01}, "contention": {"trainer_factor": 1.0, "generator_factor": 1.0},
@@ -120,28 +121,29 @@ def test_contention_slows_each_side_only_while_the_other_is_busy():
 
 def test_prediction_within_tolerance_of_the_recorded_real_runs():
     """The configurations of tools/pipeline_bench.py measured here (tools/plan_data/validation.json,
-    written by `tools/plan.py validate --record`), simulated again from the committed cost file: the
-    predictions are the recorded ones (the docs' table is what this code predicts); generation is
-    right (the sync batch wait within 10% in every configuration); the buffer's drops are right
-    (within 0.05 in 7 of 8); the async/sync ratio within 10% in 4 of 8, what the contention model
-    reaches on these runs (docs/planner.md: the trainer's speed here varies more than that)."""
+    written by `tools/plan.py validate --record`: 3 repeats of each on a quiet machine), simulated
+    again from the committed cost file: the predictions are the recorded ones (the docs' table is
+    what this code predicts); generation is right (the sync batch wait within 10%); and at least six
+    configurations meet every target of the issue: the async/sync ratio within 10%, trainer idle and
+    the dropped fraction within 0.05 in both modes."""
     rec = json.loads((DATA / "validation.json").read_text())
     costs = load_costs(DATA / rec["costs"])
-    drop_ok, ratio_ok = [], []
+    met = []
     for case in rec["cases"]:
         pred = {}
         for mode in ("sync", "async"):
-            cfg = load_config("configs/tiny.yaml", [*case["overrides"], f"run.mode={mode}"])
+            cfg = load_config(case["config"], [*case["overrides"], f"run.mode={mode}"])
             pred[mode] = simulate(cfg, costs, workload_from_spec("task", cfg), steps=case["steps"]).summary()
             for key in ("tokens_per_s", "trainer_idle_frac", "dropped_frac", "batch_wait_s"):
                 assert pred[mode][key] == pytest.approx(case["predicted"][mode][key], rel=1e-6), (case["name"], mode, key)
         real = case["real"]
         assert pred["sync"]["batch_wait_s"] == pytest.approx(real["sync"]["batch_wait_s"], rel=0.10), case["name"]
-        drop_ok.append(abs(pred["async"]["dropped_frac"] - real["async"]["dropped_frac"]) <= 0.05)
         ratio = pred["async"]["tokens_per_s"] / pred["sync"]["tokens_per_s"]
-        ratio_ok.append(abs(ratio / case["ratio_real"] - 1) <= 0.10)
-    assert len(rec["cases"]) >= 8
-    assert sum(drop_ok) >= 7 and sum(ratio_ok) >= 4, (drop_ok, ratio_ok)
+        met.append(abs(ratio / case["ratio_real"] - 1) <= 0.10 and all(
+            abs(pred[m][k] - real[m][k]) <= 0.05 for m in ("sync", "async") for k in ("trainer_idle_frac", "dropped_frac")))
+    names = {c["name"].split("_")[0] for c in rec["cases"]} | {c["name"].split("_")[1] for c in rec["cases"]}
+    assert {"e1", "e3", "s0", "s1", "s2"} <= names  # PPO epochs 1 and 3, max_staleness 0, 1, 2
+    assert sum(met) >= 6, [(c["name"], ok) for c, ok in zip(rec["cases"], met)]
 
 
 def test_recommend_meets_the_idle_target_it_reports(capsys):

@@ -137,7 +137,9 @@ def main() -> int:
     # what this bench runs, so `tools/plan.py validate` can simulate any configuration measured here
     (out / "bench.json").write_text(json.dumps({
         "config": args.config, "max_tokens": args.max_tokens, "steps": args.steps, "batch_groups": args.batch_groups,
-        "group_size": args.group_size, "placement": args.placement, "overrides": args.overrides}, indent=1))
+        "group_size": args.group_size, "placement": args.placement, "overrides": args.overrides,
+        # disjoint: every generator on the cores after the first (engines beyond that many share them)
+        "generator_devices": len(os.sched_getaffinity(0)) - 1 if args.placement == "disjoint" else 0}, indent=1))
     print(f"[pipeline_bench] placement {args.placement}: {' '.join(placement(args.placement)) or 'unpinned'}")
     runs: dict[str, list[dict]] = {"sync": [], "async": []}
     for rep in range(args.repeats):  # alternate, so a drift in the machine's load hits both modes alike

@@ -48,7 +48,8 @@ def fmt_summary(name: str, s: dict) -> str:
 def cmd_simulate(a) -> int:
     cfg = load_config(a.config, a.overrides)
     check_modelled(cfg)  # an unmodelled config is named before anything else is read
-    res = simulate(cfg, load_costs(a.costs), workload_from_spec(a.lengths, cfg, a.seed),
+    costs = load_costs(a.costs).sharing(cfg.generator.num_generators, a.generator_devices)
+    res = simulate(cfg, costs, workload_from_spec(a.lengths, cfg, a.seed),
                    reward_from_spec(a.reward), steps=a.steps, seed=a.seed)
     s = res.summary()
     print(f"workload: {res.workload}; {s['steps'] + 1} steps simulated ({cfg.run.mode}), the first skipped "
@@ -77,9 +78,9 @@ def cmd_calibrate(a) -> int:
     if a.refit:
         refit(Path(a.out))
     elif a.contention_only:
-        from tools.plan_contention import calibrate_contention
+        from tools.plan_calibrate import calibrate_contention
 
-        calibrate_contention(a.config, a.overrides, Path(a.out), a.reps)
+        calibrate_contention(a.config, a.overrides, Path(a.out))
     else:
         calibrate(a.config, a.overrides, Path(a.out), a.reps)
     return 0
@@ -115,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--plot", help="PNG: the simulated run (and --compare's) over time")
     s.add_argument("--per-step", action="store_true")
     s.add_argument("--json", help="write the summary and rows here")
+    s.add_argument("--generator-devices", type=int, default=0,
+                   help="generators that run at full speed at once (0: each its own device; this machine, "
+                        "generators pinned to one core: 1)")
     s.add_argument("overrides", nargs="*")
     s.set_defaults(fn=cmd_simulate)
     c = sub.add_parser("calibrate", help="measure the component costs here (heavy: hold the lock)")
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--reps", type=int, default=3, help="repeats per measured case (medians are fitted)")
     c.add_argument("--refit", action="store_true", help="fit again from the waves recorded beside --out (light)")
     c.add_argument("--contention-only", action="store_true",
-                   help="measure only the trainer/generator contention, into the existing --out (heavy, ~1 min)")
+                   help="only the trainer/generator contention, fitted to a short async run, into the existing "
+                        "--out (heavy, ~1 min)")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=cmd_calibrate)
     v = sub.add_parser("validate", help="simulate each tools/pipeline_bench.py run under RUNS and compare")

@@ -21,10 +21,17 @@ Each component with the project's real pieces, placed as tools/pipeline_bench.py
               does not fit beside the benchmark here: docs/benchmarks.md)
   contention  the two measured together, against alone (tools/plan_contention.py): the factors by
               which each side slows while the other is busy
-  controller  a short real run of the CLI (run.mode=sync, fixed 4-token responses, 6 steps): per
-              step, the time that is neither the batch wait, the train call nor the push; and the
-              whole push as the run saw it (sync/latency_s), whose excess over the pieces above
-              (round trips; generation goes on) joins the transfer (transfer_base_s)
+  in a run    a short real run of the CLI (CONTROLLER_RUN: sync, long-tail lengths capped at 64, 8
+              steps), simulated with the fits above: the generator's engine terms are scaled by the
+              run's batch wait over the simulated one, the trainer's by its train call over the
+              simulated one (the waves and synthetic steps give each cost's shape, the run its level,
+              with what a run adds: the buffer's messages on the generator's cores, the batch's way
+              to the trainer); the controller's per-step time, the time that is neither the batch
+              wait, the train call nor the push; and the
+              whole push as the run saw it (sync/latency_s) and the generator's pause in it
+              (sync/update_pause_s: engine paused, load, resumed): the pause is the load
+              (load_base_s; vLLM's load alone is shorter), and the rest of the whole push beyond
+              the pack is the transfer (transfer_base_s: staging and round trips, generation going on)
 
 Writes the cost file (JSON) and <name>_calibration.json beside it (every raw measurement, the fits,
 their residuals); the runs' own outputs go to bench_out/plan_calibration/.
@@ -47,6 +54,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 
 from pipeline.config import Config, load_config
 from pipeline.config import GeneratorConfig
+from pipeline.placement import apply, buffer_placement
 from pipeline.sim.costs import GeneratorCosts, costs_from_dict
 from pipeline.sim.fit import nnls
 from pipeline.sim.generator import SimGenerator, SimSample
@@ -69,7 +77,14 @@ def say(msg: str) -> None:
 
 
 class TimedSource(ListSource):
-    """ListSource that also times a wave: from its first admit to its last rollout."""
+    """ListSource that also times a wave: from its first admit to its last rollout. Pinned to `cpus`
+    (the generator's cores, where a run places the replay buffer: buffer.cpus), so the messages it
+    answers load the generator's cores as the buffer's do in a run."""
+
+    def __init__(self, group_size: int, cfg: Config | None = None):
+        super().__init__(group_size)
+        if cfg is not None:
+            apply(buffer_placement(cfg))
 
     @endpoint
     async def feed(self, items: list[PromptItem]) -> None:
@@ -118,7 +133,7 @@ async def measure_generator(cfg: Config, reps: int) -> list[dict]:
     gprocs = this_host().spawn_procs(per_host={"procs": 1})
     sprocs = this_host().spawn_procs(per_host={"procs": 1})
     gen = gprocs.spawn("gen", GeneratorActor, cfg, 0)
-    src = sprocs.spawn("src", src_cls, G)
+    src = sprocs.spawn("src", src_cls, G, cfg)
     rows = []
     try:
         say(f"generator: starting the engine (generator.cpus={cfg.generator.cpus or 'unpinned'})")
@@ -222,13 +237,16 @@ async def measure_trainer(cfg: Config, reps: int) -> list[dict]:
 
 
 def fit_trainer(rows: list[dict]) -> tuple[dict, float]:
+    """step = base + step_per_token·N·T + epochs·(epoch_base + per_token·N·T), non-negative least
+    squares over the median of each (epochs, N, T): shapes at 1 and 3 epochs separate the work done
+    once per step from the work of each epoch."""
     rows = _median_per_case(rows, ("epochs", "n", "T"))
-    X = np.array([[1.0, r["epochs"], r["epochs"] * r["n"] * r["T"]] for r in rows])
+    X = np.array([[1.0, r["n"] * r["T"], r["epochs"], r["epochs"] * r["n"] * r["T"]] for r in rows])
     y = np.array([r["s"] for r in rows])
     coef = nnls(X, y)
     err = float(np.median(np.abs(X @ coef - y) / y))
-    return {"step_base_s": float(coef[0]), "epoch_base_s": float(coef[1]), "per_token_s": float(coef[2]),
-            "padding": "max"}, err
+    return {"step_base_s": float(coef[0]), "step_per_token_s": float(coef[1]), "epoch_base_s": float(coef[2]),
+            "per_token_s": float(coef[3]), "padding": "max"}, err
 
 
 def measure_push(cfg: Config, out: Path) -> dict:
@@ -252,52 +270,145 @@ def measure_push(cfg: Config, out: Path) -> dict:
             "load_per_byte_s": per["transfer"], "_raw": res}
 
 
-def measure_controller(config: str, overrides: list[str], out: Path) -> tuple[dict, list[float]]:
-    run_dir = out / "controller_run"
-    ov = [*overrides, "task.name=pipeline.tasks.reverse", "generator.ignore_eos=true", "generator.max_new_tokens=4",
-          "run.mode=sync", "run.steps=6", "run.eval_every=0", "run.warm_start_steps=0", "run.checkpoint_every=0",
-          "run.progress=false", f"run.out_dir={run_dir}"]
-    say("controller: a 6-step sync run of the CLI")
-    with open(out / "controller_run.log", "w") as f:
-        code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", config, *ov], cwd=REPO,
-                              stdout=f, stderr=subprocess.STDOUT).returncode
+CONTROLLER_RUN = ["task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", "generator.max_new_tokens=64",
+                  "buffer.batch_groups=8", "buffer.group_size=4", "run.mode=sync", "run.steps=8", "run.eval_every=0",
+                  "run.warm_start_steps=0", "run.checkpoint_every=0", "run.progress=false"]
+"""The calibration's real run: sync, long-tail lengths capped at 64 (pipeline_bench's cap is 96)."""
+
+
+def run_cli(config: str, overrides: list[str], out: Path, name: str) -> list[dict]:
+    """A short real run of the CLI (CONTROLLER_RUN + overrides); its per-step metrics rows."""
+    run_dir = out / name
+    with open(out / f"{name}.log", "w") as f:
+        code = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", config, *CONTROLLER_RUN, *overrides,
+                               f"run.out_dir={run_dir}"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
     if code:
-        raise RuntimeError(f"the controller run exited with {code}; see {out / 'controller_run.log'}")
+        raise RuntimeError(f"the calibration run {name} exited with {code}; see {out / f'{name}.log'}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "version/trainer" in r]
+    return [r for r in rows if "version/trainer" in r]
+
+
+def measure_controller(config: str, overrides: list[str], out: Path) -> tuple[dict, dict]:
+    """A short sync run of the CLI (CONTROLLER_RUN): the controller's per-step time, and what the
+    run saw of each component: the whole push and the generator's pause in it, the batch wait and
+    the train call (steps after the first, as pipeline_bench counts them)."""
+    say(f"in a run: {CONTROLLER_RUN[-5]}, " + " ".join(CONTROLLER_RUN[:3]) + " (the CLI, sync)")
+    rows = run_cli(config, overrides, out, "controller_run")
     other = [b["time_s"] - a["time_s"] - b["time/batch_wait_s"] - b["time/train_s"] - b["sync/latency_s"]
              for a, b in zip(rows[1:], rows[2:])]
-    push_e2e = statistics.median(r["sync/latency_s"] for r in rows[1:])
-    return {"step_overhead_s": max(0.0, statistics.median(other))}, other, push_e2e
+    pause = rows[-1]["sync/update_pause_s"]  # the generators' mean pause over the run's updates
+    if pause != pause:
+        raise RuntimeError(f"the calibration run reported no update pause (sync/update_pause_s); see {out}")
+    seen = {"steps": len(rows), "push_s": statistics.median(r["sync/latency_s"] for r in rows[1:]), "pause_s": pause,
+            "batch_wait_s": statistics.mean(r["time/batch_wait_s"] for r in rows[1:]),
+            "train_s": statistics.mean(r["time/train_s"] for r in rows[1:]), "per_step_other_s": other}
+    return {"step_overhead_s": max(0.0, statistics.median(other))}, seen
 
 
-def whole_push(push: dict, push_e2e_s: float) -> dict:
+def measure_async(config: str, overrides: list[str], out: Path) -> dict:
+    """The same run in async mode (max_staleness 1): the batch wait and the train call as they are
+    when generation and training overlap."""
+    say("in a run: the same, async")
+    rows = run_cli(config, [*overrides, "run.mode=async"], out, "async_run")
+    return {"steps": len(rows), "batch_wait_s": statistics.mean(r["time/batch_wait_s"] for r in rows[1:]),
+            "train_s": statistics.mean(r["time/train_s"] for r in rows[1:])}
+
+
+FACTORS = [1.0 + 0.05 * i for i in range(13)]
+"""The contention factors fit_contention_in_run tries: 1.0 .. 1.6."""
+
+
+def fit_contention_in_run(costs: dict, config: str, overrides: list[str], seen: dict) -> dict:
+    """The contention factors that make the async calibration run's simulation match it: the
+    trainer's factor from its train call, the generator's from the batch wait (each with the other
+    fixed, twice). The isolated measurement (tools/plan_contention.py: each side against the other
+    kept fully busy) is an upper bound; in a run the generator is busy with a few long requests most
+    of the time, and the run is what the cost file must predict."""
+    from pipeline.sim import simulate, workload_from_spec
+
+    cfg = load_config(config, [*overrides, *CONTROLLER_RUN, "run.mode=async"])
+
+    def sim(tf: float, gf: float) -> dict:
+        c = costs_from_dict(costs | {"contention": {"trainer_factor": tf, "generator_factor": gf}})
+        return simulate(cfg, c, workload_from_spec("task", cfg), steps=seen["steps"]).summary()
+
+    tf = gf = 1.0
+    for _ in range(2):
+        tf = min(FACTORS, key=lambda x: abs(sim(x, gf)["train_s"] - seen["train_s"]))
+        gf = min(FACTORS, key=lambda x: abs(sim(tf, x)["batch_wait_s"] - seen["batch_wait_s"]))
+    return {"trainer_factor": tf, "generator_factor": gf}
+
+
+def as_in_run(costs: dict, config: str, overrides: list[str], seen: dict) -> tuple[dict, dict]:
+    """The generator's and the trainer's costs at the speeds the calibration run saw: the run
+    simulated with the fitted costs, then every engine term times the real batch wait over the
+    simulated one and every trainer term times the real train call over the simulated one. The
+    waves and synthetic steps fix the shape of each cost (how it grows with concurrency, length,
+    tokens, epochs); the run fixes its level, with everything a run adds (the buffer's and the
+    controller's messages on the generator's cores, the batch's way to the trainer)."""
+    from pipeline.sim import simulate, workload_from_spec
+
+    cfg = load_config(config, [*overrides, *CONTROLLER_RUN])
+    sim = simulate(cfg, costs_from_dict(costs), workload_from_spec("task", cfg), steps=seen["steps"]).summary()
+    f = {"generator": seen["batch_wait_s"] / sim["batch_wait_s"], "trainer": seen["train_s"] / sim["train_s"],
+         "simulated_batch_wait_s": sim["batch_wait_s"], "simulated_train_s": sim["train_s"]}
+    g = {k: v * f["generator"] if k in ENGINE_KEYS else v for k, v in costs["generator"].items()}
+    t = {k: v * f["trainer"] if k.endswith("_s") else v for k, v in costs["trainer"].items()}
+    return costs | {"generator": g, "trainer": t}, f
+
+
+ENGINE_KEYS = ("iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s")
+"""The generator's engine-time terms (the admit round trip is the buffer's)."""
+
+
+def whole_push(push: dict, push_e2e_s: float, pause_s: float | None = None) -> dict:
     """The push as a run sees it (sync/latency_s: the trainer's call, staging, the generator's apply
     with its version check, the actor round trips between them) is longer than sync_bench's pack,
-    transfer and load. The rest is round trips while generation goes on, so it joins the transfer
-    (transfer_base_s), not the load, during which a keep update stalls generation."""
-    parts = (push["pack_base_s"] + push["transfer_base_s"] + push["load_base_s"]
-             + (push["pack_per_byte_s"] + push["transfer_per_byte_s"] + push["load_per_byte_s"]) * push["bytes"])
-    return push | {"transfer_base_s": push["transfer_base_s"] + max(0.0, push_e2e_s - parts)}
+    transfer and load. The generator's pause in the run (`pause_s`, sync/update_pause_s: pausing
+    the engine, the load, resuming it) is the load: no token is sampled during it, so a keep update
+    stalls generation that long, and a request submitted during it samples on the new weights. The
+    rest of the whole push beyond the pack is the transfer (transfer_base_s: staging and round trips,
+    generation going on). Without `pause_s` (records from before it was measured) the excess over
+    the pieces joins the transfer."""
+    n = push["bytes"]
+    if pause_s is None:
+        parts = (push["pack_base_s"] + push["transfer_base_s"] + push["load_base_s"]
+                 + (push["pack_per_byte_s"] + push["transfer_per_byte_s"] + push["load_per_byte_s"]) * n)
+        return push | {"transfer_base_s": push["transfer_base_s"] + max(0.0, push_e2e_s - parts)}
+    load_base = max(push["load_base_s"], pause_s - push["load_per_byte_s"] * n)
+    others = push["pack_base_s"] + load_base + (push["pack_per_byte_s"] + push["transfer_per_byte_s"]
+                                                + push["load_per_byte_s"]) * n
+    return push | {"load_base_s": load_base, "transfer_base_s": max(0.0, push_e2e_s - others)}
 
 
 def refit(out_file: Path) -> dict:
     """Fit again from the measurements recorded beside `out_file` (no measurement: the fit changed):
-    the generator's waves and, when recorded, the push as a run saw it. Rewrites both files."""
+    the generator's waves, the trainer's steps and, when recorded, what the calibration run saw
+    (the push, and the levels of the generator's and trainer's costs). Rewrites both files."""
     record = out_file.with_name(out_file.stem + "_calibration.json")
     rec = json.loads(record.read_text())
     gen, err = fit_generator(rec["generator"]["rows"])
+    tr, tr_err = fit_trainer(rec["trainer"]["rows"])
     costs = json.loads(out_file.read_text())
-    costs["generator"] = gen
+    costs.update(generator=gen, trainer=tr)
     if "push_in_run_s" in rec["push"]:
-        costs["push"] = whole_push(rec["push"]["fit"], rec["push"]["push_in_run_s"])
+        costs["push"] = whole_push(rec["push"].get("measured", rec["push"]["fit"]), rec["push"]["push_in_run_s"],
+                                   rec["push"].get("pause_in_run_s"))
         rec["push"]["fit"] = costs["push"]
+    if "in_run" in rec:
+        c, r = rec["controller"], rec["in_run"]
+        costs, r["factors"] = as_in_run(costs, c["config"], c["overrides"], r["seen"])
+        if "seen_async" in r:
+            costs["contention"] = r["contention"] = fit_contention_in_run(costs, c["config"], c["overrides"],
+                                                                          r["seen_async"])
     costs["source"] += "; refitted from the recorded measurements"
     costs_from_dict(costs, str(out_file))
     rec["generator"].update(fit=gen, median_rel_error=err)
+    rec["trainer"].update(fit=tr, median_rel_error=tr_err)
     out_file.write_text(json.dumps(costs, indent=1))
     record.write_text(json.dumps(rec, indent=1, default=str))
-    say(f"generator refit {gen} (waves simulated with it: median error {err:.1%}); wrote {out_file}")
+    say(f"refit: generator {costs['generator']} (waves simulated with the fit: median error {err:.1%}), trainer "
+        f"{costs['trainer']} (median error {tr_err:.1%}); wrote {out_file}")
     return costs
 
 
@@ -321,20 +432,54 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     raw_push = push.pop("_raw")
     # the trainer waits for its whole push call, not only the pack sync_bench times
     push["pack_base_s"] = max(push["pack_base_s"], push_call_s - push["pack_per_byte_s"] * push["bytes"])
-    ctl, other, push_e2e = measure_controller(config, overrides, out)
-    push = whole_push(push, push_e2e)
-    say(f"push {push} (a whole push in the run: {push_e2e * 1e3:.1f} ms); controller {ctl}")
+    ctl, seen = measure_controller(config, overrides, out)
+    measured, push = push, whole_push(push, seen["push_s"], seen["pause_s"])
+    say(f"push {push} (a whole push in the run: {seen['push_s'] * 1e3:.1f} ms, the generator paused "
+        f"{seen['pause_s'] * 1e3:.1f} ms of it); controller {ctl}")
     costs = {"generator": gen, "trainer": tr, "push": push, "controller": ctl, "contention": cont,
              "source": f"tools/plan.py calibrate --config {config} {' '.join(overrides)} on {time.strftime('%Y-%m-%d')}"}
+    costs, factors = as_in_run(costs, config, overrides, seen)
+    say(f"in the run: batch wait {seen['batch_wait_s']:.3f} s against {factors['simulated_batch_wait_s']:.3f} s "
+        f"simulated from the waves (generator x{factors['generator']:.2f}), train call {seen['train_s']:.3f} s "
+        f"against {factors['simulated_train_s']:.3f} s (trainer x{factors['trainer']:.2f})")
+    seen_async = measure_async(config, overrides, out)
+    costs["contention"] = fit_contention_in_run(costs, config, overrides, seen_async)
+    say(f"contention in the async run (batch wait {seen_async['batch_wait_s']:.3f} s, train call "
+        f"{seen_async['train_s']:.3f} s): {costs['contention']} (alone against a fully busy other side: {cont})")
     costs_from_dict(costs, str(out_file))  # checked before it is written
     out_file.write_text(json.dumps(costs, indent=1))
     record = out_file.with_name(out_file.stem + "_calibration.json")
     record.write_text(json.dumps(
         {"generator": {"rows": gen_rows, "fit": gen, "median_rel_error": gen_err},
          "trainer": {"rows": tr_rows, "fit": tr, "median_rel_error": tr_err, "push_call_s": push_call_s},
-         "push": {"fit": push, "sync_bench": raw_push, "push_in_run_s": push_e2e},
-         "controller": {"per_step_other_s": other, "fit": ctl},
-         "contention": {"rows": cont_rows, "fit": cont},
+         "push": {"fit": push, "measured": measured, "sync_bench": raw_push, "push_in_run_s": seen["push_s"],
+                  "pause_in_run_s": seen["pause_s"]},
+         "controller": {"fit": ctl, "overrides": overrides, "config": config},
+         "in_run": {"seen": seen, "factors": factors, "seen_async": seen_async,
+                    "contention": costs["contention"]},
+         "contention": {"rows": cont_rows, "isolated": cont, "fit": costs["contention"]},
          "seconds": time.monotonic() - t0}, indent=1, default=str))
     say(f"wrote {out_file} and {record} in {time.monotonic() - t0:.0f} s")
+    return costs
+
+
+def calibrate_contention(config: str, overrides: list[str], out_file: Path) -> dict:
+    """Only the contention, into the existing cost file `out_file` (the other components as they
+    were): the async calibration run, fitted (fit_contention_in_run)."""
+    overrides = [*placement("disjoint"), *overrides]
+    out = REPO / "bench_out" / "plan_calibration" / out_file.stem
+    out.mkdir(parents=True, exist_ok=True)
+    costs = json.loads(out_file.read_text())
+    seen_async = measure_async(config, overrides, out)
+    costs["contention"] = fit_contention_in_run(costs, config, overrides, seen_async)
+    costs["source"] += f"; contention fitted to an async run on {time.strftime('%Y-%m-%d %H:%M')} (--contention-only)"
+    costs_from_dict(costs, str(out_file))
+    out_file.write_text(json.dumps(costs, indent=1))
+    record = out_file.with_name(out_file.stem + "_calibration.json")
+    rec = json.loads(record.read_text()) if record.is_file() else {}
+    rec.setdefault("in_run", {}).update(seen_async=seen_async, contention=costs["contention"])
+    rec.setdefault("contention", {})["fit"] = costs["contention"]
+    record.write_text(json.dumps(rec, indent=1, default=str))
+    say(f"contention in the async run (batch wait {seen_async['batch_wait_s']:.3f} s, train call "
+        f"{seen_async['train_s']:.3f} s): {costs['contention']}; wrote {out_file} and {record}")
     return costs

@@ -29,13 +29,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
-import json
 import statistics
 import time
-from pathlib import Path
 
-from pipeline.config import Config, load_config
-from pipeline.sim.costs import costs_from_dict
+from pipeline.config import Config
 from pipeline.types import PromptItem
 from tools.trainer_bench import synthetic_batch
 
@@ -66,7 +63,7 @@ async def measure_contention(cfg: Config, reps: int, steps: int = 4) -> list[dic
     gprocs = this_host().spawn_procs(per_host={"procs": 1})
     sprocs = this_host().spawn_procs(per_host={"procs": 1})
     gen = gprocs.spawn("gen", GeneratorActor, cfg, 0)
-    src = sprocs.spawn("src", src_cls, G)
+    src = sprocs.spawn("src", src_cls, G, cfg)  # on the buffer's cores, as in a run
     trainer = None
     rows: list[dict] = []
     uid = [0]
@@ -142,24 +139,3 @@ def fit_contention(rows: list[dict]) -> dict:
         return statistics.median(xs)
     return {"trainer_factor": max(1.0, med("trainer", "together") / med("trainer", "alone")),
             "generator_factor": max(1.0, med("generator", "together") / med("generator", "alone"))}
-
-
-def calibrate_contention(config: str, overrides: list[str], out_file: Path, reps: int) -> dict:
-    """Measure the contention only and write it into the existing cost file `out_file` (the other
-    components as they were) and its calibration record; `calibrate` without --contention-only
-    measures it with everything else."""
-    from tools.pipeline_bench import placement
-
-    overrides = [*placement("disjoint"), *overrides]
-    costs = json.loads(out_file.read_text())
-    rows = asyncio.run(measure_contention(load_config(config, overrides), reps))
-    costs["contention"] = fit_contention(rows)
-    costs["source"] += f"; contention measured on {time.strftime('%Y-%m-%d %H:%M')} (calibrate --contention-only)"
-    costs_from_dict(costs, str(out_file))
-    out_file.write_text(json.dumps(costs, indent=1))
-    record = out_file.with_name(out_file.stem + "_calibration.json")
-    rec = json.loads(record.read_text()) if record.is_file() else {}
-    rec["contention"] = {"rows": rows, "fit": costs["contention"]}
-    record.write_text(json.dumps(rec, indent=1, default=str))
-    _say(f"contention {costs['contention']}; wrote {out_file} and {record}")
-    return costs

@@ -7,7 +7,7 @@ Targets: trainer idle below --max-idle, at most --max-stale of the trained sampl
 (staleness >= 1) and at most --max-dropped of the finished samples dropped (their tokens wasted).
 --total-devices D: D devices (GPUs) for trainer ranks and generators together: every split into
 R = D // (k+1) trainer ranks (k = 1..--max-generators) and D - R generators is a candidate, and the cost file's trainer
-figures are read as one rank's (per_token_s divided by R: data parallel). Without it,
+figures are read as one rank's (per_token_s and step_per_token_s divided by R: data parallel). Without it,
 trainer.num_ranks ranks, the cost file's trainer as a whole, and k·ranks generators.
 --generator-devices D: the hardware runs D generators at full speed (one GPU each, or this
 machine's cores for generators); with more, each generator's costs scale by k/D, as engines
@@ -36,18 +36,9 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.config import load_config
-from pipeline.sim import Costs, load_costs, simulate, workload_from_spec
+from pipeline.sim import load_costs, simulate, workload_from_spec
 
 ETAS = (0, 1, 2, 3, 4)
-
-
-def shared(costs: Costs, generators: int, devices: int) -> Costs:
-    """Costs of `generators` engines on `devices` devices: each engine's time scales by generators/devices."""
-    f = generators / devices if devices and generators > devices else 1.0
-    g = costs.generator
-    return dataclasses.replace(costs, generator=dataclasses.replace(
-        g, **{k: getattr(g, k) * f for k in ("iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s",
-                                             "prefill_per_token_s", "request_overhead_s")}))
 
 
 def _sim(cfg, costs, lengths: str, steps: int, devices: int = 0, **changes) -> dict:
@@ -55,7 +46,7 @@ def _sim(cfg, costs, lengths: str, steps: int, devices: int = 0, **changes) -> d
     b = {k[2:]: v for k, v in changes.items() if k.startswith("b_")}
     c = dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator, **g),
                             buffer=dataclasses.replace(cfg.buffer, **b))
-    costs = shared(costs, c.generator.num_generators, devices)
+    costs = costs.sharing(c.generator.num_generators, devices)
     s = simulate(c, costs, workload_from_spec(lengths, c), steps=steps).summary()
     return {k: s[k] for k in ("tokens_per_s", "trainer_idle_frac", "generator_idle_frac", "stale_frac",
                               "dropped_frac", "mean_staleness", "wasted_tokens")}
@@ -83,7 +74,9 @@ def plan(cfg, costs, lengths: str, steps: int, max_idle: float, max_stale: float
         R, n = splits[i]
         c = costs
         if total:  # the cost file's trainer is one rank's: R data-parallel ranks share each step's tokens
-            c = dataclasses.replace(costs, trainer=dataclasses.replace(costs.trainer, per_token_s=costs.trainer.per_token_s / R))
+            t = costs.trainer
+            c = dataclasses.replace(costs, trainer=dataclasses.replace(
+                t, per_token_s=t.per_token_s / R, step_per_token_s=t.step_per_token_s / R))
         return _sim(cfg, c, lengths, steps, devices, g_num_generators=n, **changes)
 
     def name(i: int) -> str:

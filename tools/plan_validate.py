@@ -58,17 +58,18 @@ def bench_overrides(extra: list[str], max_tokens: int, steps: int = 12, B: int =
             "run.warm_start_steps=0", *extra]
 
 
-def bench_case(d: Path, config: str = "configs/tiny.yaml") -> tuple[str, list[str], int] | None:
-    """(config, overrides, steps) of the pipeline_bench output in `d`: its bench.json, else CASES by
-    the directory's name (runs made before pipeline_bench wrote bench.json), else None."""
+def bench_case(d: Path, config: str = "configs/tiny.yaml") -> tuple[str, list[str], int, int] | None:
+    """(config, overrides, steps, generator devices) of the pipeline_bench output in `d`: its
+    bench.json, else CASES by the directory's name (runs made before pipeline_bench wrote
+    bench.json, all with one generator), else None."""
     f = d / "bench.json"
     if f.is_file():
         b = json.loads(f.read_text())
         return b["config"], bench_overrides(b["overrides"], b["max_tokens"], b["steps"], b["batch_groups"],
-                                            b["group_size"]), b["steps"]
+                                            b["group_size"]), b["steps"], b.get("generator_devices", 0)
     if d.name in CASES:
         extra, max_tokens = CASES[d.name]
-        return config, bench_overrides(extra, max_tokens), 12
+        return config, bench_overrides(extra, max_tokens), 12, 0
     return None
 
 
@@ -91,20 +92,21 @@ def _sync_scaled(costs, real_sync: dict, pred_sync: dict):
     ft, fg = real_sync["train_s"] / pred_sync["train_s"], real_sync["batch_wait_s"] / pred_sync["batch_wait_s"]
     t, g = costs.trainer, costs.generator
     return dataclasses.replace(
-        costs, trainer=dataclasses.replace(t, step_base_s=t.step_base_s * ft, epoch_base_s=t.epoch_base_s * ft,
-                                           per_token_s=t.per_token_s * ft),
+        costs, trainer=t.scaled(ft),
         generator=dataclasses.replace(g, **{k: getattr(g, k) * fg for k in (
             "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s",
             "admit_s")})), ft, fg
 
 
 def compare(name: str, runs: dict[str, list[Path]], costs, config: str, overrides: list[str], steps: int,
-            disturbed_above: float = 0.0) -> dict:
+            generator_devices: int = 0, disturbed_above: float = 0.0) -> dict:
     """Real (medians over `runs[mode]`) against predicted, for `config` with `overrides`. With
     disturbed_above > 0, a run whose mean train call is more than that many times the simulated one
     (contention included) is left out and listed under "disturbed": the trainer's core was busy with
     other work then (a case with "skipped" if no run of a mode is left)."""
+    costs = costs.sharing(load_config(config, overrides).generator.num_generators, generator_devices)
     case = {"name": name, "config": config, "overrides": overrides, "steps": steps,
+            "generator_devices": generator_devices,
             "real": {}, "predicted": {}, "predicted_from_sync_arm": {}, "rows": {}, "disturbed": []}
     for mode in ("sync", "async"):
         cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
@@ -161,6 +163,8 @@ def resimulate(record: Path, costs_path: str, config: str = "configs/tiny.yaml")
     cases = json.loads(record.read_text())["cases"]
     for case in cases:
         config = case.get("config", config)  # older records: the default config
+        costs = load_costs(costs_path).sharing(load_config(config, case["overrides"]).generator.num_generators,
+                                               case.get("generator_devices", 0))
         for mode in ("sync", "async"):
             cfg = load_config(config, [*case["overrides"], f"run.mode={mode}"])
             s = simulate(cfg, costs, workload_from_spec("task", cfg), steps=case["steps"]).summary()

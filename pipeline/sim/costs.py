@@ -13,8 +13,11 @@ it, never a default): the planner must not predict from a number nobody measured
                               in flight per generator: groups arrive one by one)
     trainer:      one optimizer step on a batch of N samples padded to T tokens
         step_base_s           seconds per step whatever its size (the call, optimizer, metrics)
+        step_per_token_s      + seconds per token once per step, whatever the epochs (the batch's
+                              preparation and no-grad passes; 0 where per_token_s holds them)
         epoch_base_s          + seconds per PPO epoch (trainer.epochs)
-        per_token_s           + seconds per token per epoch, over N·T (padding: max) or real tokens (none)
+        per_token_s           + seconds per token per epoch (forward and backward)
+                              tokens: N·T (padding: max) or the real tokens (none)
         padding               "max" (the batch is right-padded to its longest sample) | "none" (packed)
     push:         one weight push of `bytes` bytes to every generator
         bytes                 bytes pushed (the model's weights as sent)
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -77,13 +80,20 @@ class GeneratorCosts:
 @dataclass(frozen=True)
 class TrainerCosts:
     step_base_s: float
+    step_per_token_s: float
     epoch_base_s: float
     per_token_s: float
     padding: str
 
     def step_s(self, tokens: float, epochs: int) -> float:
         """One step on a batch of `tokens` (padded or real, as `padding` says), `epochs` PPO epochs."""
-        return self.step_base_s + epochs * (self.epoch_base_s + self.per_token_s * tokens)
+        return (self.step_base_s + self.step_per_token_s * tokens
+                + epochs * (self.epoch_base_s + self.per_token_s * tokens))
+
+    def scaled(self, f: float) -> "TrainerCosts":
+        """Every time times f (a slower or faster trainer; 1/R of the tokens per rank of R)."""
+        return replace(self, step_base_s=self.step_base_s * f, step_per_token_s=self.step_per_token_s * f,
+                       epoch_base_s=self.epoch_base_s * f, per_token_s=self.per_token_s * f)
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,15 @@ class Costs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def sharing(self, generators: int, devices: int) -> "Costs":
+        """These costs for `generators` engines on `devices` devices (0: each its own): with more
+        engines than devices each engine's time scales by generators/devices, as engines sharing a
+        device (a GPU, or this machine's one generator core) do. The admit round trip is the buffer's."""
+        f = generators / devices if devices and generators > devices else 1.0
+        g = self.generator
+        return replace(self, generator=replace(g, **{k: getattr(g, k) * f for k in (
+            "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s")}))
 
 
 _SECTIONS = {"generator": GeneratorCosts, "trainer": TrainerCosts, "push": PushCosts, "controller": ControllerCosts,
