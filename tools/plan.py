@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="scenarios whose file name contains this")
     p.set_defaults(fn=cmd_papers)
     a, rest = ap.parse_known_args(argv)  # key=value overrides may follow the options too
+    if getattr(a, "generator_devices", 0) < 0:
+        ap.error(f"--generator-devices must be 0 (each generator its own device) or more, not {a.generator_devices}")
     bad = [x for x in rest if x.startswith("-") or "=" not in x or not hasattr(a, "overrides")]
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)}")

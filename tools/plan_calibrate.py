@@ -55,7 +55,7 @@ from monarch.actor import concurrent_endpoint, endpoint
 from pipeline.config import Config, load_config
 from pipeline.config import GeneratorConfig
 from pipeline.placement import apply, buffer_placement
-from pipeline.sim.costs import GeneratorCosts, costs_from_dict
+from pipeline.sim.costs import ENGINE_TERMS, GeneratorCosts, costs_from_dict
 from pipeline.sim.fit import nnls
 from pipeline.sim.generator import SimGenerator, SimSample
 from pipeline.types import PromptGroup, PromptItem
@@ -352,13 +352,9 @@ def as_in_run(costs: dict, config: str, overrides: list[str], seen: dict) -> tup
     sim = simulate(cfg, costs_from_dict(costs), workload_from_spec("task", cfg), steps=seen["steps"]).summary()
     f = {"generator": seen["batch_wait_s"] / sim["batch_wait_s"], "trainer": seen["train_s"] / sim["train_s"],
          "simulated_batch_wait_s": sim["batch_wait_s"], "simulated_train_s": sim["train_s"]}
-    g = {k: v * f["generator"] if k in ENGINE_KEYS else v for k, v in costs["generator"].items()}
+    g = {k: v * f["generator"] if k in ENGINE_TERMS else v for k, v in costs["generator"].items()}
     t = {k: v * f["trainer"] if k.endswith("_s") else v for k, v in costs["trainer"].items()}
     return costs | {"generator": g, "trainer": t}, f
-
-
-ENGINE_KEYS = ("iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s")
-"""The generator's engine-time terms (the admit round trip is the buffer's)."""
 
 
 def whole_push(push: dict, push_e2e_s: float, pause_s: float | None = None) -> dict:

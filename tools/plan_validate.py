@@ -90,12 +90,9 @@ def _sync_scaled(costs, real_sync: dict, pred_sync: dict):
     overlaps training and generation, so these are each side's speed alone during the runs; the
     async arm is then predicted from them with the contention factors, never from its own figures."""
     ft, fg = real_sync["train_s"] / pred_sync["train_s"], real_sync["batch_wait_s"] / pred_sync["batch_wait_s"]
-    t, g = costs.trainer, costs.generator
-    return dataclasses.replace(
-        costs, trainer=t.scaled(ft),
-        generator=dataclasses.replace(g, **{k: getattr(g, k) * fg for k in (
-            "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s",
-            "admit_s")})), ft, fg
+    g = costs.generator.scaled(fg)
+    return dataclasses.replace(costs, trainer=costs.trainer.scaled(ft),
+                               generator=dataclasses.replace(g, admit_s=g.admit_s * fg)), ft, fg
 
 
 def compare(name: str, runs: dict[str, list[Path]], costs, config: str, overrides: list[str], steps: int,

@@ -59,6 +59,10 @@ __all__ = ["Costs", "GeneratorCosts", "TrainerCosts", "PushCosts", "ControllerCo
            "load_costs", "costs_from_dict"]
 
 
+ENGINE_TERMS = ("iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s")
+"""The generator's engine-time terms (decode, prefill, per-request work on the generator's cores)."""
+
+
 class CostFileError(ValueError):
     """A cost file that cannot be used; the message names the file and the key."""
 
@@ -75,6 +79,10 @@ class GeneratorCosts:
     def iter_s(self, running: int, context: float) -> float:
         """One decode iteration with `running` requests holding `context` tokens in all."""
         return self.iter_base_s + self.iter_per_seq_s * running + self.iter_per_ctx_token_s * context
+
+    def scaled(self, f: float) -> "GeneratorCosts":
+        """Every engine time times f (a slower or faster engine); the admit round trip is the buffer's."""
+        return replace(self, **{k: getattr(self, k) * f for k in ENGINE_TERMS})
 
 
 @dataclass(frozen=True)
@@ -152,9 +160,7 @@ class Costs:
         engines than devices each engine's time scales by generators/devices, as engines sharing a
         device (a GPU, or this machine's one generator core) do. The admit round trip is the buffer's."""
         f = generators / devices if devices and generators > devices else 1.0
-        g = self.generator
-        return replace(self, generator=replace(g, **{k: getattr(g, k) * f for k in (
-            "iter_base_s", "iter_per_seq_s", "iter_per_ctx_token_s", "prefill_per_token_s", "request_overhead_s")}))
+        return replace(self, generator=self.generator.scaled(f))
 
 
 _SECTIONS = {"generator": GeneratorCosts, "trainer": TrainerCosts, "push": PushCosts, "controller": ControllerCosts,
