@@ -23,8 +23,8 @@ Each component with the project's real pieces, placed as tools/pipeline_bench.py
               which each side slows while the other is busy
   in a run    a short real run of the CLI (CONTROLLER_RUN: sync, long-tail lengths capped at 64, 8
               steps), simulated with the fits above: the generator's engine terms are scaled by the
-              run's batch wait over the simulated one, the trainer's by its train call over the
-              simulated one (the waves and synthetic steps give each cost's shape, the run its level,
+              run's batch wait over the simulated one, and the train call's excess over the
+              simulated one is added per call (the waves and synthetic steps give each cost's shape, the run its level,
               with what a run adds: the buffer's messages on the generator's cores, the batch's way
               to the trainer); the controller's per-step time, the time that is neither the batch
               wait, the train call nor the push; and the
@@ -340,12 +340,13 @@ def fit_contention_in_run(costs: dict, config: str, overrides: list[str], seen: 
 
 
 def as_in_run(costs: dict, config: str, overrides: list[str], seen: dict) -> tuple[dict, dict]:
-    """The generator's and the trainer's costs at the speeds the calibration run saw: the run
-    simulated with the fitted costs, then every engine term times the real batch wait over the
-    simulated one and every trainer term times the real train call over the simulated one. The
-    waves and synthetic steps fix the shape of each cost (how it grows with concurrency, length,
-    tokens, epochs); the run fixes its level, with everything a run adds (the buffer's and the
-    controller's messages on the generator's cores, the batch's way to the trainer)."""
+    """The generator's and the trainer's costs as the calibration run saw them: the run simulated
+    with the fitted costs, then every engine term times the real batch wait over the simulated one
+    (the engine runs slower beside the buffer's and the controller's messages on its cores), and the
+    train call's excess over the simulated one added to step_base_s (what a run adds to a train call
+    is per call: the batch's way to the trainer, the call itself; scaling every term instead carried
+    a one-epoch run's excess threefold into three-epoch steps, 21% over). The waves and synthetic
+    steps fix the shape of each cost (how it grows with concurrency, length, tokens, epochs)."""
     from pipeline.sim import simulate, workload_from_spec
 
     cfg = load_config(config, [*overrides, *CONTROLLER_RUN])
@@ -353,7 +354,12 @@ def as_in_run(costs: dict, config: str, overrides: list[str], seen: dict) -> tup
     f = {"generator": seen["batch_wait_s"] / sim["batch_wait_s"], "trainer": seen["train_s"] / sim["train_s"],
          "simulated_batch_wait_s": sim["batch_wait_s"], "simulated_train_s": sim["train_s"]}
     g = {k: v * f["generator"] if k in ENGINE_TERMS else v for k, v in costs["generator"].items()}
-    t = {k: v * f["trainer"] if k.endswith("_s") else v for k, v in costs["trainer"].items()}
+    extra = seen["train_s"] - sim["train_s"]
+    if extra >= 0:  # what the run adds to a train call is per call (the batch's way, the call), not per epoch
+        t = costs["trainer"] | {"step_base_s": costs["trainer"]["step_base_s"] + extra}
+    else:  # a faster trainer than the synthetic steps showed: every term at the run's speed
+        t = {k: v * f["trainer"] if k.endswith("_s") else v for k, v in costs["trainer"].items()}
+    f["trainer_added_s"] = max(0.0, extra)
     return costs | {"generator": g, "trainer": t}, f
 
 
@@ -437,7 +443,7 @@ def calibrate(config: str, overrides: list[str], out_file: Path, reps: int = 2) 
     costs, factors = as_in_run(costs, config, overrides, seen)
     say(f"in the run: batch wait {seen['batch_wait_s']:.3f} s against {factors['simulated_batch_wait_s']:.3f} s "
         f"simulated from the waves (generator x{factors['generator']:.2f}), train call {seen['train_s']:.3f} s "
-        f"against {factors['simulated_train_s']:.3f} s (trainer x{factors['trainer']:.2f})")
+        f"against {factors['simulated_train_s']:.3f} s (+{factors['trainer_added_s'] * 1e3:.1f} ms per call)")
     seen_async = measure_async(config, overrides, out)
     costs["contention"] = fit_contention_in_run(costs, config, overrides, seen_async)
     say(f"contention in the async run (batch wait {seen_async['batch_wait_s']:.3f} s, train call "
