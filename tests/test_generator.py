@@ -280,22 +280,27 @@ def test_save_carries_partials_into_next_stage(env):
     loop, gen, src, model = env
 
     async def go():
-        base = (await gen.stats.call_one())["groups"]
+        s0 = await gen.stats.call_one()
         await src.feed.call_one(prompts(4, seed=5))
         await gen.start_generation.call_one(src)
         await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
         ended = await gen.end_stage.call_one("save")
+        s1 = await gen.stats.call_one()
         first, _, _ = await src.drain.call_one()
         await gen.start_generation.call_one(src)
-        await finish_stage(gen, base + 4)
+        await finish_stage(gen, s0["groups"] + 4)
         second, _, _ = await src.drain.call_one()
-        return ended, first, second
+        return ended, first, second, s1["carried_tokens"] - s0["carried_tokens"]
 
-    ended, first, second = loop.run_until_complete(go())
+    ended, first, second, carried_tokens = loop.run_until_complete(go())
     assert ended["carried"] >= 1 and ended["running"] == 0
     assert len(first) + len(second) == 4 * GROUP
+    # a partial cut after its first token resumes with prompt + tokens re-prefilled; one cut before
+    # any token was sampled (in the engine, not yet decoded) starts afresh, with nothing to re-prefill
     resumed = [r for r in second if r.reprefill_tokens > 0]
-    assert len(resumed) == ended["carried"]
+    assert len(resumed) <= ended["carried"]
+    assert (len(resumed) >= 1) == (carried_tokens > 0)
+    assert sum(r.reprefill_tokens for r in resumed) >= carried_tokens
     v = now(loop, gen)
     for r in first + second:
         assert len(r.completion_tokens) == MAX_NEW and set(r.versions) == {v}

@@ -78,7 +78,7 @@ def cmd_calibrate(a) -> int:
     if a.refit:
         refit(Path(a.out))
     elif a.contention_only:
-        from tools.plan_calibrate import calibrate_contention
+        from tools.plan_inrun import calibrate_contention
 
         calibrate_contention(a.config, a.overrides, Path(a.out))
     else:
@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         return a.fn(a)
     except (CostFileError, UnmodelledConfig, WorkloadError, ConfigError) as e:
         print(f"plan: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:  # a cost file, a run directory or a calibration record named but absent
+        print(f"plan: {e.strerror}: {e.filename}", file=sys.stderr)
         return 2
 
 
