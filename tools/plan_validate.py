@@ -1,9 +1,9 @@
 """`tools/plan.py validate`: the simulator's prediction beside tools/pipeline_bench.py runs measured here.
 
-    # the real runs, one configuration at a time under the lock (~90 s each):
-    flock /tmp/rl-heavy.lock python tools/pipeline_bench.py --repeats 1 --steps 12 --out bench_out/val/e3_s2 \
+    # the real runs, one configuration at a time under the lock (~70 s per repeat):
+    flock /tmp/rl-heavy.lock python tools/pipeline_bench.py --repeats 3 --steps 12 --out bench_out/val3/e3_s2 \
         trainer.epochs=3 buffer.max_staleness=2
-    python tools/plan.py validate bench_out/val --costs tools/plan_data/costs_here.json \
+    python tools/plan.py validate bench_out/val3 --costs tools/plan_data/costs_here.json \
         --record tools/plan_data/validation.json --plot docs/img/planner_validation.png
 
 Every directory under RUNS holding a pipeline_bench output (sync0/, async0/, ..., and more
@@ -15,7 +15,7 @@ ratio (target: within 10% of the real one), trainer idle and dropped fraction pe
 same (sync mode sets Δ, max_staleness and on_update itself) share their real sync runs. The
 prediction is made from the cost file alone, contention included (a train step slows while the
 generator is busy on the shared cores, and the generator while the trainer trains: the cost file's
-`contention`, measured by `calibrate` before the runs). A second figure predicts the async arm
+`contention`, fitted by `calibrate` to its own short async run). A second figure predicts the async arm
 from the sync arm's measured speeds (`_sync_scaled`: the trainer's and the generator's costs scaled
 to the sync runs' train call and batch wait, which never overlap), for a machine whose load from
 other work changes between the calibration and the runs; it never reads the async runs. --record writes it all (the real figures, with their min..max over
