@@ -64,7 +64,7 @@ from pipeline.types import PromptGroup, PromptItem
 from tools.gen_bench import ListSource
 from tools.pipeline_bench import placement
 from tools.plan_contention import fit_contention, measure_contention
-from tools.plan_inrun import as_in_run, fit_contention_in_run, measure_async, measure_controller, whole_push
+from tools.plan_inrun import as_in_run, fit_contention_in_run, measure_async, measure_controller, say, whole_push
 from tools.trainer_bench import push_overlap, synthetic_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,10 +73,6 @@ GEN_CASES = [(n, L, long) for n in (4, 8, 16, 32) for L in (4, 32, 96) for long 
             [(32, 4, True), (16, 32, True)]
 """(concurrent samples, tokens each, long prompts) per measured wave."""
 TRAIN_SHAPES = [(32, 16), (32, 48), (32, 112), (8, 112)]
-
-
-def say(msg: str) -> None:
-    print(f"[calibrate {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class TimedSource(ListSource):

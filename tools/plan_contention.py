@@ -34,16 +34,13 @@ import time
 
 from pipeline.config import Config
 from pipeline.types import PromptItem
+from tools.plan_inrun import say
 from tools.trainer_bench import synthetic_batch
 
 WAVE = (16, 64)
 """(samples, tokens each) of a timed generator wave: a run's typical running set here."""
 TRAIN = (32, 112)
 """(samples, padded tokens) of a timed train step: a B=8, G=4 batch of the validation's workload."""
-
-
-def _say(msg: str) -> None:
-    print(f"[calibrate {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 async def measure_contention(cfg: Config, reps: int, steps: int = 4) -> list[dict]:
@@ -93,7 +90,7 @@ async def measure_contention(cfg: Config, reps: int, steps: int = 4) -> list[dic
             await fn()
 
     try:
-        _say(f"contention: starting the generator (cpus {cfg.generator.cpus or 'unpinned'}) and the trainer "
+        say(f"contention: starting the generator (cpus {cfg.generator.cpus or 'unpinned'}) and the trainer "
              f"(cpus {cfg.trainer.cpus or 'unpinned'})")
         await asyncio.wait_for(gen.setup.call_one(), cfg.generator.start_timeout_s)
         await gen.start_generation.call_one(src)
@@ -119,7 +116,7 @@ async def measure_contention(cfg: Config, reps: int, steps: int = 4) -> list[dic
                 rows.append({"side": "generator", "state": "together", "s": await wave()})
             stop.set()
             await asyncio.wait_for(bg, 120)
-            _say(f"contention: pass {rep + 1}/{reps} {fit_contention(rows)}")
+            say(f"contention: pass {rep + 1}/{reps} {fit_contention(rows)}")
         await gen.end_stage.call_one("keep")
         await gen.shutdown.call_one()
     finally:
