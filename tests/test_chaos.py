@@ -24,7 +24,8 @@ def test_killed_generators_are_restarted_and_no_admitted_group_is_lost(tmp_path)
     kinds = [k["kind"] for k in report["kills"]]
     assert kinds == ["engine core", "generator proc"]
     for k in report["kills"]:
-        assert 0 <= k["detection_s"] < 20, k  # seconds, not a call timeout
-        assert k["recovery_s"] < 300, k
+        # found by the death notice, not by a call's timeout (how fast is tools/chaos.py's report, not a test)
+        assert "did not answer within" not in k["cause"], k
+        assert 0 <= k["detection_s"] <= k["recovery_s"], k
     assert report["buffer"]["requeued_groups"] >= 0
     assert (out / "chaos.png").stat().st_size > 0

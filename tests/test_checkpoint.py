@@ -109,13 +109,11 @@ def test_resume_with_a_changed_shape_fails_naming_the_key_and_other_changes_appl
 
 def test_cli_resume_with_another_model_shape_exits_2_before_any_mesh_starts(tmp_path):
     write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
-    t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", str(TINY), f"run.out_dir={tmp_path}",
                         "run.resume=latest", "model.tiny.n_layers=3"], cwd=REPO, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     assert "model.tiny.n_layers" in p.stderr and "mesh" not in p.stderr
-    assert time.monotonic() - t0 < 120
 
 
 # ---------------------------------------------------------------------- the buffer's held groups

@@ -173,7 +173,7 @@ def test_waiting_rank_gives_up_when_rank_0s_heartbeat_stalls(monkeypatch, caplog
     server, client = _stores()
     t0 = time.monotonic()
     assert torchrun._wait_for_rank0(client) == 1
-    assert 1.0 <= time.monotonic() - t0 < 30 and "no heartbeat from rank 0" in caplog.text
+    assert time.monotonic() - t0 >= 1.0 and "no heartbeat from rank 0" in caplog.text  # not before STALL_S
 
 
 def test_waiting_rank_gives_up_when_the_store_goes_away(monkeypatch, caplog):

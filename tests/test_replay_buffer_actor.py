@@ -84,7 +84,7 @@ def test_get_batch_timeout_names_how_many_groups_were_ready(procs):
     t0 = time.monotonic()
     with pytest.raises(Exception, match="1 of 2 groups ready, 0 in flight"):
         buf.get_batch.call_one(0, 0.3).get()
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 >= 0.3  # it waited its timeout, then named what was ready
     assert buf.admit.call_one().get() is not None  # the actor is still alive and serving
 
 
@@ -130,8 +130,7 @@ def test_end_of_data_trains_every_full_batch_then_get_batch_returns_none(procs, 
     assert sorted(prompts) == sorted(f"rev {w}=" for w in words)  # each prompt once
     pending = buf.get_batch.call_one(2, 30.0)
     time.sleep(0.3)
-    t0 = time.monotonic()
     complete(buf, last, version=2)
-    assert pending.get() is None and time.monotonic() - t0 < 5
+    assert pending.get() is None  # the end of the stream answers the waiting get_batch (its timeout is 30 s)
     s = buf.stats.call_one().get()
     assert s["data_epoch"] == 1.0 and s["data_exhausted"] and s["trained_samples"] == 8 and s["held_samples"] == 2
