@@ -30,7 +30,8 @@ that holds an earlier run's checkpoints makes its own the newest, and retention 
 run.keep_checkpoints newest complete ones; 0 keeps all) removes the old ones as it goes.
 
 Fingerprint: what a resume must match, else a ConfigError naming the key before any mesh starts:
-the model's shape (from model.tiny, or model.hf_dir's config.json), the tokenizer, task.name,
+the model (every config.json field its family reads: shape, norm epsilon, RoPE, bias, tying; from
+model.tiny or model.hf_dir), the tokenizer, task.name,
 buffer.batch_groups and buffer.group_size. Any other key may change on resume (trainer.lr,
 run.steps, ...): the new value applies, and a log line says so.
 """
@@ -52,7 +53,8 @@ from typing import Any
 import torch
 
 from pipeline.config import REMOVED_KEYS, Config, ConfigError, flatten
-from pipeline.model import SPECIAL_TOKENS, hf_config, padded_vocab_size, tiny_vocab
+from pipeline.models import arch_from_config
+from pipeline.models.tiny import SPECIAL_TOKENS, tiny_config, tiny_vocab
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +62,6 @@ MARKER = "COMPLETE.json"
 CONTROLLER_STATE = "controller_state.pt"
 _STEP = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[\d-]+")
-# The parameter shapes of a Qwen3 HF config (max_position_embeddings is not one: RoPE is recomputed).
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 _TINY_KEYS = {"hidden_size": "model.tiny.dim", "intermediate_size": "model.tiny.ffn_dim",
               "num_hidden_layers": "model.tiny.n_layers", "num_attention_heads": "model.tiny.n_heads",
               "num_key_value_heads": "model.tiny.n_kv_heads", "head_dim": "model.tiny.dim / model.tiny.n_heads"}
@@ -254,12 +253,12 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
                            if p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")))
         tokenizer = _sha256(*(p.name.encode() + p.read_bytes() for p in tok_files))
     else:
-        conf = hf_config(m.tiny, padded_vocab_size(len(tiny_vocab())))
+        conf = tiny_config(m)
         # the tiny tokenizer is defined by its vocabulary (pipeline.model builds tokenizer.json from it)
         tokenizer = _sha256(json.dumps({"special": SPECIAL_TOKENS, "vocab": tiny_vocab()}, sort_keys=True).encode())
-    fp: dict[str, Any] = {f"model.{k}": conf.get(k) for k in SHAPE_KEYS}
-    if fp["model.head_dim"] is None:
-        fp["model.head_dim"] = conf["hidden_size"] // conf["num_attention_heads"]
+    # every field its family reads (pipeline/models: Arch.fingerprint), as the family reads it
+    arch = arch_from_config(conf, m.hf_dir or "the tiny model")
+    fp: dict[str, Any] = {f"model.{k}": v for k, v in arch.fingerprint().items()}
     fp.update({"tokenizer": tokenizer, "task.name": cfg.task.name,
                "buffer.batch_groups": cfg.buffer.batch_groups, "buffer.group_size": cfg.buffer.group_size})
     return fp

@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters on the trainer's torchtitan model, pushed alone and served by vLLM's LoRA.
 
     apply_lora(model, LoraConfig(rank=16, alpha=32))   # freeze the base; A/B on every target Linear
-    sd = peft_state_dict(model, hf_conf, lcfg)          # PEFT names: what a weight push carries
+    sd = peft_state_dict(model, arch, lcfg)             # PEFT names: what a weight push carries
     write_peft(dir, sd, lcfg, base_dir)                 # adapter_config.json + adapter_model.safetensors
     merged = merge_into_hf(hf_sd, sd, lcfg)             # base + scale * B @ A, under HF names
 
@@ -32,14 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import LORA_TARGETS, LoraConfig
+from pipeline.models import Arch, family
 
 __all__ = ["apply_lora", "lora_parameters", "peft_state_dict", "write_peft", "read_peft",
            "merge_into_hf", "peft_names"]
-
-_HF = {"wo": "self_attn.o_proj", "w1": "mlp.gate_proj", "w2": "mlp.down_proj", "w3": "mlp.up_proj"}
-_PEFT_TARGETS = {"wqkv": ["q_proj", "k_proj", "v_proj"], "wo": ["o_proj"], "w1": ["gate_proj"],
-                 "w2": ["down_proj"], "w3": ["up_proj"]}
-
 
 def _targets(lcfg: "LoraConfig") -> list[str]:
     return [t.strip() for t in lcfg.targets.split(",") if t.strip()]
@@ -76,39 +72,32 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def peft_names(n_layers: int, lcfg: "LoraConfig") -> list[str]:
+def peft_names(arch: Arch, lcfg: "LoraConfig") -> list[str]:
     out = []
-    for i in range(n_layers):
+    modules = family(arch).lora_modules
+    for i in range(arch.n_layers):
         for t in _targets(lcfg):
-            for proj in _PEFT_TARGETS[t]:
-                mod = f"self_attn.{proj}" if t in ("wqkv", "wo") else f"mlp.{proj}"
-                out += [f"base_model.model.model.layers.{i}.{mod}.lora_{ab}.weight" for ab in "AB"]
+            parent, projs = modules[t]
+            for proj in projs:
+                out += [f"base_model.model.model.layers.{i}.{parent}.{proj}.lora_{ab}.weight" for ab in "AB"]
     return out
 
 
-def peft_state_dict(model: torch.nn.Module, hf_conf: dict, lcfg: "LoraConfig") -> dict[str, torch.Tensor]:
-    """The adapters under PEFT names (full tensors; a collective under FSDP, every rank calls it)."""
-    n_kv, n_heads = hf_conf["num_key_value_heads"], hf_conf["num_attention_heads"]
-    head_dim = hf_conf.get("head_dim") or hf_conf["hidden_size"] // n_heads
-    hpk = n_heads // n_kv
+def peft_state_dict(model: torch.nn.Module, arch: Arch, lcfg: "LoraConfig") -> dict[str, torch.Tensor]:
+    """The adapters under PEFT names (full tensors; a collective under FSDP, every rank calls it). The
+    family names each target's HF projections and splits a fused one's B rows (its fused-QKV layout)."""
+    fam = family(arch)
     out: dict[str, torch.Tensor] = {}
     for i, block in model.layers.items():
         pre = f"base_model.model.model.layers.{i}"
         for t in _targets(lcfg):
             lin = block.get_submodule(LORA_TARGETS[t])
             a, b = _full(lin.lora_A), _full(lin.lora_B)
-            if t == "wqkv":  # fused rows [kv group, q heads of the group + k + v, head_dim]
-                r = b.shape[1]
-                g = b.reshape(n_kv, hpk + 2, head_dim, r)
-                parts = {"q_proj": g[:, :hpk].reshape(-1, r), "k_proj": g[:, hpk].reshape(-1, r),
-                         "v_proj": g[:, hpk + 1].reshape(-1, r)}
-                for proj, bb in parts.items():
-                    out[f"{pre}.self_attn.{proj}.lora_A.weight"] = a.clone()
-                    out[f"{pre}.self_attn.{proj}.lora_B.weight"] = bb.contiguous()
-            else:
-                mod = _HF[t]
-                out[f"{pre}.{mod}.lora_A.weight"] = a.clone()
-                out[f"{pre}.{mod}.lora_B.weight"] = b.clone()
+            parent, projs = fam.lora_modules[t]
+            parts = fam.qkv_split(arch, b) if len(projs) > 1 else {projs[0]: b}
+            for proj, bb in parts.items():
+                out[f"{pre}.{parent}.{proj}.lora_A.weight"] = a.clone()
+                out[f"{pre}.{parent}.{proj}.lora_B.weight"] = bb.contiguous().clone()
     return out
 
 
@@ -119,7 +108,7 @@ def write_peft(out_dir: str | Path, sd: dict[str, torch.Tensor], lcfg: "LoraConf
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "adapter_model.safetensors"))
-    mods = sorted({p for t in _targets(lcfg) for p in _PEFT_TARGETS[t]})
+    mods = sorted({k.split(".")[-3] for k in sd})  # "...q_proj.lora_A.weight" -> q_proj
     (out / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lcfg.rank, "lora_alpha": lcfg.alpha,
          "target_modules": mods, "lora_dropout": 0.0, "bias": "none", "base_model_name_or_path": base}, indent=2))

@@ -27,6 +27,8 @@ from typing import Any
 from pipeline import cleanup, logs
 from pipeline.checkpoint import prepare_resume
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.model import check_model
+from pipeline.models import ModelError
 from pipeline.placement import check_host
 from pipeline.tasks import TaskError
 
@@ -131,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_host(cfg)  # the values are checked; now what needs this host and the disk, before any proc
+        check_model(cfg.model)  # a model_type or config.json field this build cannot train (pipeline/models)
         cfg = prepare_resume(cfg)
         logs.configure(cfg.run.log_level)  # before any proc starts: they inherit VLLM_LOGGING_LEVEL
         swept = cleanup.sweep_segments()
         if swept:
             log.info("removed %d shared-memory segments of dead runs: %s", len(swept), " ".join(swept))
         return launch(cfg)
-    except (ConfigError, TaskError) as e:  # the file, the job's shape (trainer.num_ranks vs hosts), or the
+    except (ConfigError, TaskError, ModelError) as e:  # the file, the job's shape (trainer.num_ranks vs hosts), or the
         print(f"error: {e}", file=sys.stderr)  # task (the Job checks it before any mesh starts)
         return 2
     except KeyboardInterrupt as e:  # SIGINT; cleanup.Interrupted for SIGTERM and SIGHUP

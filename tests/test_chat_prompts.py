@@ -27,8 +27,8 @@ from pipeline.config import BufferConfig, Config, ConfigError, ModelConfig, Task
 from pipeline.driver.warm_start import demo_batch
 from pipeline.generator.core import GeneratorCore
 from pipeline.model import TINY_BOS_ID, TINY_EOS_ID, TINY_PAD_ID
-from pipeline.qwen3 import ENDOFTEXT_ID, IM_END_ID
-from pipeline.qwen3_checkpoint import ensure_checkpoint, qwen3_config
+from pipeline.models.qwen3_tokenizer import ENDOFTEXT_ID, IM_END_ID
+from pipeline.models.qwen3_checkpoint import ensure_checkpoint, qwen3_config
 from pipeline.tasks import TaskError, load_task, open_task, take
 from pipeline.tokens import PromptError, SpecialTokens, encode_completion, encode_prompt, load_tokenizer
 from pipeline.types import ENV_VERSION, PromptGroup, PromptItem, Rollout

@@ -1,4 +1,4 @@
-"""Qwen3 assets built offline (pipeline/qwen3.py, pipeline/qwen3_checkpoint.py): the tokenizer is Qwen's (ids,
+"""Qwen3 assets built offline (pipeline/models/qwen3_tokenizer.py, pipeline/models/qwen3_checkpoint.py): the tokenizer is Qwen's (ids,
 specials, chat template, stop ids), the checkpoint has Qwen3-0.6B's config and layout, and HF transformers
 and this project's trainer both load a shrunk one and agree on its logits.
 
@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 
 from pipeline.model import build_model
-from pipeline.qwen3 import (
+from pipeline.models.qwen3_tokenizer import (
     ADDED_TOKENS, BPE_RANKS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, PATTERN, TOKEN_IDS, ensure_tokenizer, vocab_file,
 )
-from pipeline.qwen3_checkpoint import (
+from pipeline.models.qwen3_checkpoint import (
     QWEN3_0_6B, VOCAB_SIZE, build_checkpoint, ensure_checkpoint, qwen3_config, tensor_shapes,
 )
 

@@ -1,7 +1,7 @@
 """The GPU recipes in configs/ (Qwen3-0.6B and 1.7B on GSM8K-style math, one node of 8 GPUs): each loads
 with the CLI's loader and validates, its GPU split holds on a simulated 8-GPU host through the same
 placement functions every proc applies at start, and its keys fit the named model's shape (a
-config.json of that shape from pipeline/qwen3_checkpoint.py, the real Qwen3 tokenizer and chat
+config.json of that shape from pipeline/models/qwen3_checkpoint.py, the real Qwen3 tokenizer and chat
 template). No GPU and no weights are needed: the shapes are built on torch's meta device."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, load_config
-from pipeline.model import read_hf_config, titan_config
+from pipeline.model import read_arch, read_hf_config
+from pipeline.models.decoder import titan_config
 from pipeline.placement import PlacementError, check_host, generator_placements, resolve_gpus, trainer_placement
-from pipeline.qwen3 import IM_START_ID, IM_END_ID, copy_tokenizer
-from pipeline.qwen3_checkpoint import MODELS, qwen3_config
+from pipeline.models.qwen3_tokenizer import IM_START_ID, IM_END_ID, copy_tokenizer
+from pipeline.models.qwen3_checkpoint import MODELS, qwen3_config
 from pipeline.tasks import open_task, take
 from pipeline.tokens import SpecialTokens, encode_prompt, load_tokenizer
 
@@ -105,7 +106,7 @@ def test_a_recipes_keys_fit_its_models_shape_tokenizer_and_context(recipe, tmp_p
     conf = read_hf_config(hf)  # the trainer's own reader (model_type, rope scaling)
     assert cfg.model.dtype == conf["torch_dtype"]
     with torch.device("meta"):  # the torchtitan model the trainer builds from it, without memory
-        model = titan_config(conf).build()
+        model = titan_config(read_arch(hf)).build()
     assert sum(p.numel() for p in model.parameters()) == params
     tp, gtp = cfg.trainer.tensor_parallel, cfg.generator.tensor_parallel_size
     for key in ("num_key_value_heads", "intermediate_size", "vocab_size"):  # how the trainer shards by tp

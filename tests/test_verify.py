@@ -22,7 +22,7 @@ import torch
 
 from pipeline.config import Config, ModelConfig, TrainerConfig, WeightSyncConfig
 from pipeline.generator.engine import stop_engine
-from pipeline.qwen3_checkpoint import ensure_checkpoint, qwen3_config
+from pipeline.models.qwen3_checkpoint import ensure_checkpoint, qwen3_config
 from pipeline.trainer.step import TrainCore
 from pipeline.weightsync import (WeightLoadError, WeightReceiver, WeightSender, load_into_vllm, load_shadow,
                                  swap_into_vllm, vllm_engine_kwargs)

@@ -7,7 +7,7 @@
 The folder is what a downloaded Qwen3-0.6B holds (config.json, model.safetensors in bf16 under HF names,
 tokenizer.json, tokenizer_config.json with Qwen3's chat template, vocab.json, merges.txt,
 generation_config.json), so `model.hf_dir=DIR` runs the real path with no download. The tokenizer is
-built offline from the `dashscope` package's BPE ranks, once, under --cache-dir (pipeline/qwen3.py).
+built offline from the `dashscope` package's BPE ranks, once, under --cache-dir (pipeline/models/qwen3_tokenizer.py).
 Prints the folder, its size on disk and the build time.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.qwen3 import CACHE_DIR  # noqa: E402
-from pipeline.qwen3_checkpoint import MODELS, build_checkpoint, qwen3_config  # noqa: E402
+from pipeline.models.qwen3_tokenizer import CACHE_DIR  # noqa: E402
+from pipeline.models.qwen3_checkpoint import MODELS, build_checkpoint, qwen3_config  # noqa: E402
 
 
 def main() -> None:

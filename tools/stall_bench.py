@@ -18,7 +18,7 @@ while the shadow load runs (its cost to generation). Results per size accumulate
 so sizes can run in separate invocations; every run rewrites the table and the plot from all of them.
 
 Sizes: tiny (the tests' checkpoint), 100m (768-wide, 12 layers, character vocabulary, ~76M params,
-fp32), qwen3-0.6b (Qwen3-0.6B's shapes, bf16, random weights; pipeline/qwen3_checkpoint.py).
+fp32), qwen3-0.6b (Qwen3-0.6B's shapes, bf16, random weights; pipeline/models/qwen3_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ SIZES = ("tiny", "100m", "qwen3-0.6b")
 def model_dir(size: str) -> tuple[str, str, int]:
     """(checkpoint dir, dtype, context length) of a size, built locally once."""
     if size == "qwen3-0.6b":
-        from pipeline.qwen3_checkpoint import ensure_checkpoint, qwen3_config
+        from pipeline.models.qwen3_checkpoint import ensure_checkpoint, qwen3_config
         return str(ensure_checkpoint(qwen3_config(), seed=0)), "bfloat16", 1024
     from pipeline.model import ensure_tiny_assets
     tiny = TinyModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048) if size == "100m" \

@@ -7,10 +7,11 @@ tp), rank r at (r // tp, r % tp). The tp ranks of an fsdp index train the same r
 over the fsdp axis only (`dp_world`, `dp_rank`), so metric sums are divided by tp in `all_reduce`.
 
 Tensor parallelism (tp > 1): each block's fused QKV and FFN w1/w3 are column-sharded and wo/w2
-row-sharded over the tp axis (torch DTensor Colwise/RowwiseParallel on the torchtitan modules; the
-fused QKV weight is laid out KV group by KV group, so a column shard is whole heads), an untied
+row-sharded over the tp axis (the family's plan, pipeline/models: torch DTensor Colwise/RowwiseParallel
+on the torchtitan modules; the fused QKV weight and bias are laid out KV group by KV group, so a column
+shard is whole heads), an untied
 output head is column-sharded with its logits gathered (a head tied to the embedding stays whole,
-or sharding would untie it); FSDP2 then shards over the fsdp axis (when it is > 1). The q/k norms
+or sharding would untie it); FSDP2 then shards over the fsdp axis (when it is > 1). Per-head norms (q/k norms)
 act on each rank's own heads, so their gradients are summed over the tp axis before the norm
 (`sq_norm`, in place). HF export gathers the DTensor shards (full_tensor); a weight push sends each
 rank's own shards (trainer/shards.py) and the generators assemble them, so they get the same weights
@@ -54,7 +55,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from pipeline.config import LoraConfig, TrainerConfig
 from pipeline.lora import apply_lora
-from pipeline.model import build_model, read_hf_config
+from pipeline.model import Arch, build_model, read_arch
+from pipeline.models import family
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +90,7 @@ class Parallel:
         self.mesh = init_device_mesh(tcfg.device, (self.dp_world, self.tp), mesh_dim_names=("fsdp", "tp")) \
             if self.distributed else None
         self.tp_group = self.mesh["tp"].get_group() if self.tp > 1 else None
+        self.per_head: tuple[str, ...] = ()  # the family's per-head parameters (`sq_norm`), set by `build`
 
     def build(self, hf_dir: Path, dtype: torch.dtype, lora: LoraConfig,
               frozen: bool = False) -> tuple[torch.nn.Module, object]:
@@ -106,8 +109,10 @@ class Parallel:
             apply_lora(model, lora, dtype if frozen else torch.float32)
         if frozen:
             model.requires_grad_(False)
+        arch = read_arch(hf_dir)
+        self.per_head = family(arch).per_head_params(arch)
         if self.tp > 1:
-            self._tensor_parallel(model, read_hf_config(hf_dir))
+            self._tensor_parallel(model, arch)
         if self.mesh is not None and (self.dp_world > 1 or mixed):
             # reduce_dtype float32: gradients are reduced and kept in the master's precision
             mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if mixed \
@@ -119,16 +124,18 @@ class Parallel:
             fully_shard(model, mesh=dp, mp_policy=mp, reshard_after_forward=True if frozen else None)
         return model, adapter
 
-    def _tensor_parallel(self, model: torch.nn.Module, conf: dict) -> None:
-        """Shard the blocks' projections and the output head over the tp axis (module docstring)."""
-        for key in ("num_key_value_heads", "intermediate_size", "vocab_size"):
-            if conf[key] % self.tp:
-                raise ValueError(f"trainer.tensor_parallel={self.tp} does not divide the model's {key}={conf[key]} "
+    def _tensor_parallel(self, model: torch.nn.Module, arch: Arch) -> None:
+        """Shard the blocks' projections and the output head over the tp axis, by the family's plan
+        (module docstring)."""
+        from pipeline.models.decoder import tp_sizes
+
+        for key, size in tp_sizes(arch).items():
+            if size % self.tp:
+                raise ValueError(f"trainer.tensor_parallel={self.tp} does not divide the model's {key}={size} "
                                  "(attention is sharded by KV head group, the FFN and output head by columns)")
         mesh = self.mesh["tp"]
-        plan = {"attention.qkv_linear.wqkv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel()}
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        plan = {path: styles[style]() for path, style in family(arch).tp_plan.items()}
         for block in model.layers.values():
             parallelize_module(block, mesh, plan)
         if model.lm_head.weight is not model.tok_embeddings.weight:  # a tied head stays whole (and tied)
@@ -157,7 +164,7 @@ class Parallel:
         sq = 0.0
         for name, g in named:
             on_tp = isinstance(g, DTensor) and g.device_mesh.mesh_dim_names and "tp" in g.device_mesh.mesh_dim_names
-            if self.tp > 1 and not on_tp and (".q_norm." in name or ".k_norm." in name):
+            if self.tp > 1 and not on_tp and any(part in name for part in self.per_head):
                 dist.all_reduce(local(g), group=self.tp_group)
             n = torch.linalg.vector_norm(g.detach())
             sq += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2

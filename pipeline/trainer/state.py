@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.checkpoint import rng_state, set_rng_state
 from pipeline.config import TrainerConfig
 from pipeline.lora import merge_into_hf, peft_state_dict, write_peft
-from pipeline.model import export_hf, read_hf_config, save_hf_checkpoint
+from pipeline.model import export_hf, read_arch, save_hf_checkpoint
 from pipeline.trainer.parallel import Parallel, local, resharded
 from pipeline.trainer.shards import local_boxes
 from pipeline.weightsync.shard_plan import Box
@@ -107,7 +107,7 @@ class TrainerState:
 
     def _peft(self) -> dict[str, torch.Tensor]:
         """The adapters under PEFT names in their float32 master precision (collective under FSDP)."""
-        return peft_state_dict(self.model, read_hf_config(self.hf_dir), self.tcfg.lora)
+        return peft_state_dict(self.model, read_arch(self.hf_dir), self.tcfg.lora)
 
     def export_hf(self, out_dir: str | Path, merged: bool = False) -> str:
         """Write a vLLM-loadable HF directory. Collective: every rank gathers, rank 0 writes. With

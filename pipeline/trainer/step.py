@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from pipeline import losses
 from pipeline.config import Config
-from pipeline.model import model_dir, read_hf_config
+from pipeline.model import model_dir, read_arch
 from pipeline.trainer.checks import check_batch, check_sft
 from pipeline.trainer.errors import (BadBatchError, EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError,
                                      TooManySkippedSteps)
@@ -85,7 +85,7 @@ class TrainCore:
         self.device = self.par.device
         torch.manual_seed(cfg.run.seed)
         hf_dir = model_dir(cfg.model)
-        self.vocab_size = int(read_hf_config(hf_dir)["vocab_size"])
+        self.vocab_size = read_arch(hf_dir).vocab_size
         # model.dtype is the compute dtype and the generators'; the trained weights stay float32 (parallel.py)
         dtype = getattr(torch, cfg.model.dtype)
         self.model, self.adapter = self.par.build(hf_dir, dtype, self.tcfg.lora)

@@ -9,15 +9,15 @@ Nothing is downloaded. Qwen's byte-level BPE (151,643 ranks, the same table Qwen
 BPE (it recovers the merges from the ranks), and this module dresses it the way Qwen3's tokenizer.json
 is dressed: NFC normalizer, Qwen's pre-tokenizer regex, byte-level decoding, and the 26 added tokens of
 Qwen3 at their ids (151643 <|endoftext|> ... 151668 </think>). tokenizer_config.json carries Qwen3's chat
-template (pipeline/qwen3_chat_template.py), eos `<|im_end|>`, pad `<|endoftext|>`, no bos;
+template (pipeline/models/qwen3_chat_template.py), eos `<|im_end|>`, pad `<|endoftext|>`, no bos;
 generation_config.json stops on both [151645, 151643] and carries Qwen3's recommended sampling.
 
 The files go to a folder keyed by a hash of everything they are made from (vocabulary bytes, specials,
 template, format), so a changed input never reuses an old build; a build is written to a temporary
 folder and renamed into place, so concurrent builders never see half a tokenizer.
 
-Run `python -m pipeline.qwen3 [--cache-dir DIR]` to build it by hand; tools/make_qwen3.py builds a whole
-checkpoint around it (pipeline/qwen3_checkpoint.py).
+Run `python -m pipeline.models.qwen3_tokenizer [--cache-dir DIR]` to build it by hand; tools/make_qwen3.py builds a whole
+checkpoint around it (pipeline/models/qwen3_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.qwen3_chat_template import CHAT_TEMPLATE
+from pipeline.models.qwen3_chat_template import CHAT_TEMPLATE
 
 CACHE_DIR = ".cache/qwen3"
 VOCAB_RESOURCE = ("dashscope", "resources/qwen.tiktoken")

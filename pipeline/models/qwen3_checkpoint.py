@@ -1,5 +1,5 @@
 """A Qwen3 checkpoint with real shapes and random weights: Qwen3-0.6B's (or 1.7B's) config.json, bf16 safetensors
-under HF names, and Qwen3's real tokenizer (pipeline/qwen3.py), so every loader (HF transformers, vLLM,
+under HF names, and Qwen3's real tokenizer (pipeline/models/qwen3_tokenizer.py), so every loader (HF transformers, vLLM,
 this project's torchtitan trainer) takes the path a downloaded Qwen3-0.6B takes.
 
     conf = qwen3_config()                                   # Qwen3-0.6B exactly
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline.qwen3 import CACHE_DIR, ENDOFTEXT_ID, IM_END_ID, copy_tokenizer, tokenizer_dir
+from pipeline.models.qwen3_tokenizer import CACHE_DIR, ENDOFTEXT_ID, IM_END_ID, copy_tokenizer, tokenizer_dir
 
 VOCAB_SIZE = 151_936
 """Rows of the embedding: the tokenizer's 151,669 ids padded for the kernels, as Qwen3 ships it."""

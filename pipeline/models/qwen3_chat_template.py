@@ -3,7 +3,7 @@ that Qwen3-0.6B ... Qwen3-32B (the hybrid thinking models of April 2025) ship. I
 strips the reasoning of assistant turns before the last user query, wraps tool results in <tool_response>, and with
 `enable_thinking=False` closes an empty think block after the generation prompt (the model's no-think mode).
 
-Kept in a file of its own so pipeline/qwen3.py stays readable; a test renders it and compares exact strings.
+Kept in a file of its own so qwen3_tokenizer.py stays readable; a test renders it and compares exact strings.
 """
 
 CHAT_TEMPLATE = r'''{%- if tools %}

@@ -1,0 +1,55 @@
+"""Model families behind one registry keyed by config.json's `model_type`. Everything that differs between
+architectures lives in its family's module (what it reads from config.json and refuses, its build, HF
+names, tensor-parallel plan, LoRA targets, fused-QKV layout); the rest of the code asks the registry.
+
+    arch = read_arch(hf_dir)            # the checked config: ModelError naming dir, field, value, supported
+    fam = family(arch)                  # its Family: fam.build(arch), fam.adapter(arch), fam.tp_plan, ...
+
+Families: qwen3.py (Qwen3 dense), llama.py (Llama 2/3.x, SmolLM, Mistral-style without sliding window),
+qwen2.py (Qwen2/2.5); the dense decoder they share is decoder.py, its RoPE rope.py. Checkpoint builders:
+tiny.py (the tiny test model), qwen3_tokenizer.py / qwen3_checkpoint.py (Qwen3's real tokenizer, random
+weights at real shapes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.models import llama, qwen2, qwen3
+from pipeline.models.decoder import Arch, Family, ModelError
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (qwen3.FAMILY, llama.FAMILY, qwen2.FAMILY)}
+
+__all__ = ["FAMILIES", "Arch", "Family", "ModelError", "arch_from_config", "family", "read_arch", "read_config"]
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    """config.json of `hf_dir` as a dict (ModelError when it is missing or not JSON)."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{hf_dir}: config.json cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(conf, dict):
+        raise ModelError(f"{hf_dir}: config.json is not a JSON object")
+    return conf
+
+
+def arch_from_config(conf: dict, where: str | Path) -> Arch:
+    """The Arch of a config.json dict; `where` names it in errors."""
+    fam = FAMILIES.get(conf.get("model_type"))
+    if fam is None:
+        supported = "; ".join(f"{k!r} ({f.summary})" for k, f in FAMILIES.items())
+        raise ModelError(f"{where}: config.json model_type={conf.get('model_type')!r} is not supported; "
+                         f"supported: {supported}")
+    return fam.read(conf, where)
+
+
+def read_arch(hf_dir: str | Path) -> Arch:
+    """The checked Arch of checkpoint directory `hf_dir`."""
+    return arch_from_config(read_config(hf_dir), hf_dir)
+
+
+def family(arch: Arch) -> Family:
+    return FAMILIES[arch.model_type]
