@@ -115,6 +115,30 @@ def test_rope_frequencies_stay_float32_and_rotate_in_the_query_dtype(checkpoints
     assert torch.equal(got[0], want[0].transpose(1, 2)) and torch.equal(got[1], want[1].transpose(1, 2))
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_shards_of_the_fused_qkv_reassemble_the_hf_tensors(checkpoints, family):
+    """Uneven row blocks of the fused QKV weight and bias (as FSDP2 and tensor-parallel shards cut it) map
+    to boxes of HF q/k/v that rebuild the checkpoint's own tensors: what a sharded push sends, in HF order."""
+    from pipeline.trainer.shards import _qkv_runs
+
+    d = checkpoints[family]
+    model, adapter = build_model(d)
+    src = load_hf_state_dict(d)
+    params = ["weight"] + (["bias"] if family == "qwen2" else [])
+    for i in range(2):
+        for param in params:
+            name = f"layers.{i}.attention.qkv_linear.wqkv.{param}"
+            full = model.get_parameter(name).detach()
+            n = full.shape[0]
+            got = {f"model.layers.{i}.self_attn.{p}_proj.{param}": None for p in "qkv"}
+            got = {k: torch.full_like(src[k], float("nan")) for k in got}
+            for a, b in zip([0, 5, n // 3, n // 2 + 3], [5, n // 3, n // 2 + 3, n]):
+                for (hf, start, size), t in _qkv_runs(model, adapter, name, (a, *[0] * (full.dim() - 1)),
+                                                       (b - a, *full.shape[1:]), full[a:b]):
+                    got[hf][tuple(slice(s0, s0 + z) for s0, z in zip(start, size))] = t
+            assert all(torch.equal(got[k], src[k]) for k in got), (family, name)
+
+
 REFUSED = [  # (family, config.json edit, the field the error names)
     ("llama", {"model_type": "gemma2"}, "model_type"),
     ("llama", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),

@@ -270,6 +270,25 @@ def qkv_split(arch: Arch, t: torch.Tensor) -> dict[str, torch.Tensor]:
             "v_proj": g[:, hpk + 1].reshape(-1, *tail)}
 
 
+def qkv_row_runs(arch: Arch, a: int, n: int) -> list[tuple[str, int, int, int]]:
+    """Rows [a, a + n) of a fused QKV tensor as runs of whole HF rows: (projection, first fused row,
+    first row in the projection, rows). What a trainer rank's FSDP/TP shard of the fused weight (or bias)
+    is in HF terms (pipeline/trainer/shards.py)."""
+    hpk, hd = arch.n_heads // arch.n_kv_heads, arch.head_dim
+    r = hpk + 2
+    runs, row = [], a
+    while row < a + n:
+        g, j = divmod(row // hd, r)
+        if j < hpk:  # the group's hpk query heads are hpk * hd consecutive q_proj rows
+            proj, end, dst = "q_proj", (g * r + hpk) * hd, g * hpk * hd + row - g * r * hd
+        else:
+            proj, end, dst = ("k_proj" if j == hpk else "v_proj"), (g * r + j + 1) * hd, g * hd + row % hd
+        m = min(end, a + n) - row
+        runs.append((proj, row, dst, m))
+        row += m
+    return runs
+
+
 LORA_MODULES = {"wqkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "wo": ("self_attn", ("o_proj",)),
                 "w1": ("mlp", ("gate_proj",)), "w2": ("mlp", ("down_proj",)), "w3": ("mlp", ("up_proj",))}
 """LoRA target (pipeline.config LORA_TARGETS) -> the HF module and projections its adapter stands for."""
@@ -310,4 +329,5 @@ class Family:
     tp_plan: dict = field(default_factory=lambda: dict(TP_PLAN))
     lora_modules: dict = field(default_factory=lambda: dict(LORA_MODULES))
     qkv_split: Any = qkv_split
+    qkv_row_runs: Any = qkv_row_runs
     per_head_params: Any = per_head_params

@@ -5,9 +5,10 @@ packs on each trainer rank.
 
 Contract: pure given the model (no collective, no copy): every rank calls `local_boxes` on its own
 model and gets views of its own shards, in `named_parameters` order, which is the same on every
-rank. The HF names are torchtitan's state-dict adapter's; the fused QKV weight (laid out KV group by
-KV group: hpk query heads, one key head, one value head) splits into runs of whole rows of
-q_proj / k_proj / v_proj, as its state-dict hook splits the whole tensor. A parameter the HF state
+rank. The HF names are the model family's adapter's (pipeline/models); the fused QKV weight and bias
+(laid out KV group by KV group: hpk query heads, one key head, one value head) split into runs of
+whole rows of q_proj / k_proj / v_proj (the family's `qkv_row_runs`), as its state-dict hook splits
+the whole tensor. A parameter the HF state
 dict does not carry (a tied output head: named_parameters yields it once) is skipped, as in export.
 A shard that is not one box of the global tensor is refused; the shard plan then checks that the
 ranks' boxes cover every element exactly once.
@@ -24,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from pipeline.models import family
 from pipeline.trainer.parallel import local, resharded
 from pipeline.weightsync.shard_plan import Box
 
@@ -58,21 +60,10 @@ def _box(name: str, p: torch.Tensor, t: torch.Tensor) -> tuple[tuple[int, ...], 
 
 
 def _qkv_runs(model, adapter, name: str, start, size, t: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
-    """Rows [a, a + n) of a fused wqkv as runs of q_proj / k_proj / v_proj rows (module docstring)."""
+    """Rows [a, a + n) of a fused wqkv as runs of q_proj / k_proj / v_proj rows (the family's layout)."""
     prefix, _, param = name.rpartition(FUSED_QKV)
-    qkv = model.get_submodule(prefix)
-    hd, hpk = qkv.head_dim, qkv.heads_per_kv
-    r = hpk + 2
-    names = {k: next(iter(adapter.to_hf({f"{prefix}.{k}.{param}": None}))) for k in ("wq", "wk", "wv")}
-    a, n = start[0], size[0]
-    runs, row = [], a
-    while row < a + n:
-        g, j = divmod(row // hd, r)
-        if j < hpk:  # the group's hpk query heads are hpk * hd consecutive q_proj rows
-            key, end, dst = "wq", (g * r + hpk) * hd, g * hpk * hd + row - g * r * hd
-        else:
-            key, end, dst = ("wk" if j == hpk else "wv"), (g * r + j + 1) * hd, g * hd + row % hd
-        m = min(end, a + n) - row
-        runs.append(((names[key], (dst, *start[1:]), (m, *size[1:])), t[row - a:row - a + m]))
-        row += m
-    return runs
+    names = {proj: next(iter(adapter.to_hf({f"{prefix}.{key}.{param}": None})))
+             for proj, key in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"))}
+    a = start[0]
+    return [((names[proj], (dst, *start[1:]), (m, *size[1:])), t[row - a:row - a + m])
+            for proj, row, dst, m in family(adapter.arch).qkv_row_runs(adapter.arch, a, size[0])]
