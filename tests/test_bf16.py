@@ -152,6 +152,18 @@ def test_bf16_kl_reference_is_the_bf16_cast_of_the_warm_started_master(one_rank,
     assert all(torch.equal(local(p), ref[n]) for n, p in resharded(back.ref_model).named_parameters())
 
 
+def test_bf16_policy_and_kl_reference_compute_the_same_logprobs_at_the_same_weights(one_rank):
+    """RoPE rotates in the compute dtype for both (pipeline/models/rope.py), as vLLM does: the fp32-master
+    policy computing in bf16 and the bf16-stored reference are one function before any step (a RoPE
+    table cast with the model would leave the policy's float32 and the reference's bf16)."""
+    core = TrainCore(bf16_cfg(lr=1e-4, kl_coef=0.1))
+    ids = torch.randint(4, 60, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        pol, ref = token_logprobs(core.model, ids), token_logprobs(core.ref_model, ids)
+    resharded(core.model), resharded(core.ref_model)
+    assert torch.equal(pol, ref), (pol - ref).abs().max()
+
+
 def test_bf16_mis_balance_snapshots_are_bf16_and_the_master_is_put_back_exactly(one_rank):
     cfg = bf16_cfg(lr=1e-4, correction="mis_balance")
     cfg = dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, max_staleness=3))
