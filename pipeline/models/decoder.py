@@ -109,7 +109,8 @@ def read_common(f: Fields, *, qkv_bias: bool = False, qk_norm: bool = False, lla
     f.only("hidden_act", ("silu",), "'silu' (SwiGLU)")
     f.only("partial_rotary_factor", (1, 1.0, None), "1.0 (RoPE on the whole head)")
     if c.get("quantization_config") is not None:
-        raise f.error("quantization_config", "none (a dense bf16/fp16/fp32 checkpoint; the trainer updates every weight)")
+        raise f.error("quantization_config", "none (a dense bf16/fp16/fp32 checkpoint: the trainer updates "
+                      "every weight)")
     heads = f.int("num_attention_heads")
     dim = f.int("hidden_size")
     kv = f.int("num_key_value_heads", heads)
