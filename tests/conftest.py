@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 
@@ -68,3 +69,130 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         timer.cancel()
         faulthandler.cancel_dump_traceback_later()
+
+
+# ---------------------------------------------------------------- nothing left behind
+# Every process a test starts inherits this marker, so the suite's own leftovers can be told from
+# those of a job running beside it (CI shares its machine).
+SESSION_MARK = "RL_TEST_SESSION"
+os.environ[SESSION_MARK] = str(os.getpid())
+SETTLE_S = 20.0  # a killed process's exit and reaping; a proc mesh's stop is already awaited by its fixture
+
+
+def _ours(proc) -> bool:
+    try:
+        return proc.environ().get(SESSION_MARK) == str(os.getpid())
+    except Exception:  # gone, or a zombie: nothing to leave behind
+        return False
+
+
+def _leftover_processes() -> list:
+    import psutil
+
+    me = psutil.Process()
+    found = {p.pid: p for p in me.children(recursive=True)}
+    found.update({p.pid: p for p in psutil.process_iter() if p.pid != me.pid and p.pid not in found and _ours(p)})
+    # multiprocessing's resource tracker is the interpreter's own: it ends with this process
+    return [p for p in found.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def _leftover_segments(before: set[str]) -> list[str]:
+    from pipeline import cleanup
+
+    new = [n for n in os.listdir(cleanup.SHM_DIR) if n not in before
+           and n.startswith((cleanup.WS_PREFIX, *cleanup.ANONYMOUS))]
+    used = cleanup.segment_users()
+    return sorted(n for n in new if used.get(n, set()) <= {os.getpid()})  # nobody, or only this process, holds it
+
+
+def _live_engines() -> list[str]:
+    """For each vLLM AsyncLLM still reachable: what holds it (a test module's global, a fixture's
+    cache, a frame)."""
+    import gc
+    import sys
+
+    engines = [o for o in gc.get_objects() if type(o).__name__ == "AsyncLLM"]
+    here = sys._getframe()
+    out = []
+    for e in engines:
+        holders = []
+        for r in gc.get_referrers(e):
+            if r is engines or r is here:
+                continue
+            if isinstance(r, dict):  # a module's or an object's namespace: name its owner
+                owners = [o for o in gc.get_referrers(r) if getattr(o, "__dict__", None) is r]
+                holders.append(f"dict of {[getattr(o, '__name__', type(o).__name__) for o in owners] or '?'} "
+                               f"keys {[k for k, v in r.items() if v is e][:3]}")
+            elif type(r).__name__ == "frame":
+                up = sorted({type(x).__name__ for x in gc.get_referrers(r) if x is not here})
+                holders.append(f"frame {r.f_code.co_name} at {r.f_code.co_filename}:{r.f_lineno} (held by {up})")
+            elif type(r).__name__ == "cell":
+                fns = [getattr(f, "__qualname__", type(f).__name__) for t in gc.get_referrers(r)
+                       for f in (gc.get_referrers(t) if isinstance(t, tuple) else [t])]
+                holders.append(f"cell of {fns[:4]}")
+            else:
+                holders.append(type(r).__name__)
+        out.append("; ".join(holders))
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leaves_nothing_behind():
+    """After the last test: no process started by the suite still running, and no shared-memory
+    segment of the suite's left in /dev/shm. A leftover fails the run, naming it, and is removed.
+    Engines are checked once pytest has dropped the last test's fixtures (pytest_sessionfinish)."""
+    import time
+
+    from pipeline import cleanup
+
+    before = set(os.listdir(cleanup.SHM_DIR))
+    yield
+    problems = []
+    deadline = time.monotonic() + SETTLE_S
+    while (procs := _leftover_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for p in procs:
+        try:
+            problems.append(f"process {p.pid} still running: {' '.join(p.cmdline())[:160]}")
+            p.kill()
+        except Exception:
+            pass
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(5)
+    segments = _leftover_segments(before)
+    for name in segments:
+        problems.append(f"/dev/shm/{name} left behind")
+        try:
+            os.unlink(os.path.join(cleanup.SHM_DIR, name))
+        except OSError:
+            pass
+    assert not problems, "the suite left things behind:\n  " + "\n  ".join(problems)
+
+
+def pytest_collection_finish(session):
+    """vLLM is imported here, once, when a collected test uses it. A module of vLLM's keeps an
+    exception from its own import, whose traceback holds every frame that was on the stack: when a
+    fixture or test that starts an engine did the first import, its frame (and the engine in its
+    locals) would live until interpreter exit, and the engine's __del__ then fails."""
+    files = {item.path for item in session.items}
+    if any("vllm" in f.read_text() for f in files if f.suffix == ".py"):
+        import vllm.engine.arg_utils  # noqa: F401
+        import vllm.v1.engine.async_llm  # noqa: F401
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No vLLM engine left for the garbage collector: one alive at interpreter exit fails in its
+    __del__ (its modules are gone) and leaves its output task pending. Cycles are collected here,
+    while the modules exist; an engine still referenced fails the run, naming what holds it."""
+    import gc
+
+    gc.collect()
+    live = _live_engines()
+    if live:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        for h in live:
+            line = f"[leftovers] a vLLM AsyncLLM still referenced after the last test, by {h}"
+            tr.write_line(line, red=True) if tr is not None else print(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -138,8 +139,19 @@ def stop_engine(engine) -> None:
             on_loop = asyncio.get_running_loop() is loop
         except RuntimeError:
             on_loop = False
-        if on_loop or not loop.is_running():  # the cancellation runs once the loop does
+        if on_loop:  # the cancellation runs once this coroutine yields
             handler.cancel()
+        elif not loop.is_running():  # an idle loop (a test fixture's teardown): run the cancellation now,
+            handler.cancel()  # or the task outlives the loop and the engine with it ("Task was destroyed")
+            other_loop = False
+            try:
+                asyncio.get_running_loop()
+                other_loop = True  # this thread runs another loop: the cancellation runs when that one does
+            except RuntimeError:
+                pass
+            if not other_loop and not handler.done():
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(asyncio.wait([handler], timeout=2.0))
         else:  # called off the loop (asyncio.to_thread): the loop runs the cancellation now
             loop.call_soon_threadsafe(handler.cancel)
             deadline = time.monotonic() + 2.0
