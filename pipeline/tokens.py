@@ -3,14 +3,17 @@
     tok = load_tokenizer(hf_dir)                          # HF fast tokenizer (the files vLLM reads)
     special = SpecialTokens.of(tok)                       # eos, pad, bos and the stop set, from the files
     ids = encode_prompt(tok, prompt, enable_thinking)     # a str raw; messages through the chat template
-    ids = encode_completion(tok, "cba") + [special.eos]   # a demonstrated model turn
+    ids = encode_completion(tok, "cba") + [special.end_of_turn(prompt)]   # a demonstrated model turn
     frame = observation_frame(tok, prompt, enable_thinking)   # multi-turn: what wraps an observation
 
 Special ids are the checkpoint's, never constants: `SpecialTokens.of` reads them once from the
-tokenizer (tokenizer_config.json / tokenizer.json) and the checkpoint's generation_config.json. A
-model turn ends with `eos`, the tokenizer's end-of-sequence token (for a chat model its end of turn,
-Qwen3's `<|im_end|>` 151645; for the tiny model `<eos>` 2); `stop` is every id that ends a turn (the
-tokenizer's eos and every eos id of generation_config.json: Qwen3 stops at 151645 and 151643); `pad`
+tokenizer (tokenizer_config.json / tokenizer.json), its chat template and the checkpoint's
+generation_config.json. `eos` is the tokenizer's end-of-sequence token; `eot` the chat template's end
+of turn: the special token that closes an assistant turn in the template's own rendering (ChatML's
+`<|im_end|>`, Llama 3's `<|eot_id|>` where eos is `<|end_of_text|>`), eos for a tokenizer without a
+template or one whose turns end in plain text. `end_of_turn(prompt)` is what ends a model turn: `eot`
+after a chat prompt, `eos` after a str prompt (plain text has no turns). `stop` is every id that ends
+a turn (eos, eot and every eos id of generation_config.json: Qwen3 stops at 151645 and 151643); `pad`
 fills batches (the tokenizer's pad, else generation_config's, else eos).
 
 A prompt is a str or a list of messages ({"role": ..., "content": ...}). `encode_prompt` is the one
@@ -75,6 +78,12 @@ class SpecialTokens:
     pad: int
     bos: int | None
     stop: tuple[int, ...]
+    eot: int
+
+    def end_of_turn(self, prompt: Prompt) -> int:
+        """The id that ends a model turn after `prompt`: the template's end of turn after messages,
+        eos after a str."""
+        return self.eos if isinstance(prompt, str) else self.eot
 
     @classmethod
     def of(cls, tok) -> "SpecialTokens":
@@ -89,7 +98,29 @@ class SpecialTokens:
                               "in generation_config.json or config.json); a model turn could never end")
         pad = next(i for i in (tok.pad_token_id, gen.get("pad_token_id"), conf.get("pad_token_id"), eos)
                    if i is not None)
-        return cls(eos=int(eos), pad=int(pad), bos=tok.bos_token_id, stop=tuple(dict.fromkeys([int(eos), *gen_eos])))
+        eot = _template_end_of_turn(tok, int(eos))
+        return cls(eos=int(eos), pad=int(pad), bos=tok.bos_token_id,
+                   stop=tuple(dict.fromkeys([int(eos), eot, *gen_eos])), eot=eot)
+
+
+def _template_end_of_turn(tok, eos: int) -> int:
+    """The special token that closes an assistant turn in the chat template's rendering of [user,
+    assistant, user] (what follows the assistant's content, whitespace before it skipped); `eos`
+    without a template, or when the turn ends in plain text or the template cannot render that
+    conversation (then chat prompts fail where they are encoded, naming the template)."""
+    if not getattr(tok, "chat_template", None):
+        return eos
+    try:
+        head = _chat_frame(tok, None).head
+    except PromptError:
+        return eos
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    for i in head:
+        if i in special:
+            return int(i)
+        if tok.decode([i]).strip():  # text before any special token: the template ends turns in text
+            return eos
+    return eos
 
 
 def check_messages(prompt: Any) -> list[dict]:

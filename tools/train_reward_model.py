@@ -65,9 +65,9 @@ def corrupt(demo: str, alphabet: str, rng: random.Random) -> str:
 def make_data(task, tok, seed: int, split: str, n: int, enable_thinking: bool | None = None
               ) -> list[tuple[list[int], float]]:
     """Scored sequences laid out as the generators lay out a rollout: the prompt as they tokenise it
-    (pipeline.tokens.encode_prompt), the completion, the checkpoint's eos."""
+    (pipeline.tokens.encode_prompt), the completion, the end of the model's turn (SpecialTokens.end_of_turn)."""
     rng = random.Random(seed)
-    eos = SpecialTokens.of(tok).eos
+    special = SpecialTokens.of(tok)
     stream = PromptStream(task, seed, split)
     out = []
     while len(out) < n:
@@ -79,7 +79,7 @@ def make_data(task, tok, seed: int, split: str, n: int, enable_thinking: bool | 
         alphabet = "".join(sorted(set(demo + (item.prompt if isinstance(item.prompt, str) else "")))) or "ab"
         for _ in range(4):
             c = corrupt(demo, alphabet, rng)
-            ids = encode_prompt(tok, item.prompt, enable_thinking) + encode_completion(tok, c) + [eos]
+            ids = encode_prompt(tok, item.prompt, enable_thinking) + encode_completion(tok, c) + [special.end_of_turn(item.prompt)]
             out.append((ids, float(task.reward(item.prompt, c))))
     return out
 

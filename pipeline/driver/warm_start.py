@@ -38,7 +38,8 @@ def demo_batch(tokenizer: Any, task: Any, items: Iterable[PromptItem],
                enable_thinking: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, loss mask) of the items' demonstrations, laid out as the generators lay out a rollout:
     the prompt tokenized as they do (pipeline.tokens.encode_prompt, task.enable_thinking: the same
-    tokens in RL), then each model turn ending with the checkpoint's eos (a chat model's end of turn)
+    tokens in RL), then each model turn ending as the generators' turns end (SpecialTokens.end_of_turn:
+    the chat template's end of turn after a chat prompt, eos after a str)
     and trained on, each observation (multi-turn: model turn, observation, model turn, ...)
     tokenized on its own, in a chat prompt's frame, and masked out (pipeline/generator/envs.py);
     the checkpoint's pad to the longest row."""
@@ -51,7 +52,7 @@ def demo_batch(tokenizer: Any, task: Any, items: Iterable[PromptItem],
         seq, mask = list(p), [0.0] * len(p)
         for k, text in enumerate([demo] if isinstance(demo, str) else list(demo)):
             ids = encode_completion(tokenizer, text)
-            ids = ids + [special.eos] if k % 2 == 0 else frame.wrap(ids, seq[-1])
+            ids = ids + [special.end_of_turn(it.prompt)] if k % 2 == 0 else frame.wrap(ids, seq[-1])
             seq += ids
             mask += [1.0 if k % 2 == 0 else 0.0] * len(ids)
         seqs.append(seq)
