@@ -100,6 +100,11 @@ class TrainerConfig:
     """KL estimator: k1 | k3."""
     micro_batch_size: int = 0
     """Samples per forward/backward (0: the whole batch at once)."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk of the loss's output head (pipeline/trainer/chunked.py): the log-probs of the
+    sampled tokens, the entropy and their gradients are computed chunk by chunk over tokens, so the
+    [tokens, vocab] float32 logits are never built; 0 builds them whole (the unchunked path, also what
+    tensor parallelism with an untied output head uses). >= 0."""
     grad_variance: bool = False
     """Estimate the variance of each batch's gradient from its micro-batches (a diagnostic for
     comparing corrections): the first optimizer step of a batch reports grad/var, the trace of the
@@ -157,6 +162,8 @@ class TrainerConfig:
               f">= trainer.entropy_coef ({self.entropy_coef})")
         choice("trainer.kl_estimator", self.kl_estimator, ("k1", "k3"))
         check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, ">= 0")
+        check(self.logprob_chunk_tokens >= 0, "trainer.logprob_chunk_tokens", self.logprob_chunk_tokens,
+              ">= 0 (0: the unchunked loss)")
         check(not self.grad_variance or self.micro_batch_size > 0, "trainer.micro_batch_size",
               self.micro_batch_size, "> 0 with trainer.grad_variance (its micro-batches are the chunks)")
         check(self.cpu_threads >= 0, "trainer.cpu_threads", self.cpu_threads, ">= 0")

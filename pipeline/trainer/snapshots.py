@@ -21,7 +21,7 @@ Contract:
 Example:
     prox = Proximal(mask.shape, device, tcfg, score_ref, version)  # one batch
     mis = snapshots.balance_mixture(version, batch, plan, prox)  # mis_balance only: sets prox.log_mix
-    prox.record(batch, rows, keep, ids, logp, logits)             # each pre-step forward
+    prox.record(batch, rows, keep, ids, logp, entropy)            # each pre-step forward
     chunks = GradChunks(par)
     loss.backward(); chunks.add(model)                            # each micro-batch
     metrics.update(chunks.variance())                             # before the clip
@@ -57,9 +57,9 @@ class Proximal:
         self.maxes: dict[str, torch.Tensor] = {}  # "mm_" + losses.MAX_KEYS, all-reduced with MAX
 
     def record(self, batch: Batch, rows: torch.Tensor, keep: float, ids: torch.Tensor,
-               logp: torch.Tensor, logits: torch.Tensor) -> None:
+               logp: torch.Tensor, entropy: torch.Tensor) -> None:
         """Store log π_old (and log π_ref) of `rows` from a pre-step forward, and add the rows'
-        sampler/learner mismatch and π_old entropy to the once-per-batch sums. With `version` (the
+        sampler/learner mismatch and π_old entropy (`entropy` [n, T-1], per token) to the once-per-batch sums. With `version` (the
         trainer's, which π_old is computed with) the mismatch is also split into the tokens that
         version made and the stale ones (losses.mismatch_sums)."""
         logp = logp.detach()
@@ -77,7 +77,7 @@ class Proximal:
             if k in mm:
                 v = mm.pop(k).detach().cpu().double()
                 self.maxes[f"mm_{k}"] = torch.maximum(self.maxes[f"mm_{k}"], v) if f"mm_{k}" in self.maxes else v
-        for k, v in {"entropy_sum": losses.token_entropy_sum(logits, mask),
+        for k, v in {"entropy_sum": (entropy.detach() * mask).sum().double(),
                      **{f"mm_{k}": v for k, v in mm.items()}}.items():
             self.sums[k] = self.sums.get(k, 0) + v.detach().cpu().double()
 

@@ -40,11 +40,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from pipeline import losses
 from pipeline.config import Config
 from pipeline.model import model_dir, read_arch
+from pipeline.trainer import chunked
 from pipeline.trainer.checks import check_batch, check_sft
 from pipeline.trainer.errors import (BadBatchError, EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError,
                                      TooManySkippedSteps)
@@ -70,10 +70,11 @@ def minibatch_plan(n: int, minibatches: int, world: int, rank: int, micro_batch_
     return plan
 
 
-def logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs of ids[:, 1:] under softmax(logits / temperature), and those logits."""
-    logits = model(ids)[:, :-1].float() / temperature
-    return torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1), logits
+def logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, chunk: int = 0,
+             entropy: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of ids[:, 1:] under softmax(logits / temperature), and (entropy "value" or
+    "grad") its per-token entropy; chunk > 0 never builds the [tokens, vocab] logits (chunked.py)."""
+    return chunked.logprobs(model, ids, temperature, chunk, entropy)
 
 
 class TrainCore:
@@ -102,6 +103,9 @@ class TrainCore:
         # The sampler's logprobs are of the temperature-scaled distribution it sampled from
         # (generator.logprobs_mode=processed, enforced by Config), so the learner scores the same.
         self.temperature = cfg.generator.temperature
+        # trainer.logprob_chunk_tokens: the loss in token chunks (chunked.py), unless tensor parallelism shards
+        # the output head over the vocabulary, which keeps the full logits
+        self.chunk = self.tcfg.logprob_chunk_tokens if chunked.chunkable(self.model) else 0
         self.snapshots = Snapshots(self.model, cfg.buffer.max_staleness, self._scorer(self.model), dtype)
         # the counters trainer_state.json carries (save / load)
         self.version = self.samples_seen = self.skipped_steps = 0
@@ -110,7 +114,10 @@ class TrainCore:
 
     def _scorer(self, model: torch.nn.Module) -> Score:
         """Token ids (any device) -> `model`'s log-probs at the sampling temperature."""
-        return lambda ids: logprobs(model, ids.to(self.device), self.temperature)[0]
+        return lambda ids: logprobs(model, ids.to(self.device), self.temperature, self._chunk(model))[0]
+
+    def _chunk(self, model: torch.nn.Module) -> int:
+        return self.chunk if model is self.model or chunked.chunkable(model) else 0
 
     # ------------------------------------------------------------------ steps
 
@@ -159,7 +166,8 @@ class TrainCore:
             for _, micro in plan[1:]:
                 for rows, keep in micro:
                     ids = batch.input_ids[rows].to(self.device)
-                    prox.record(batch, rows, keep, ids, *logprobs(self.model, ids, self.temperature))
+                    prox.record(batch, rows, keep, ids,
+                                *logprobs(self.model, ids, self.temperature, self.chunk, "value"))
         steps = []
         for epoch in range(t.epochs):
             for m, (mb_rows, micro) in enumerate(plan):
@@ -207,11 +215,13 @@ class TrainCore:
             ids = batch.input_ids[rows].to(self.device)
             mask = batch.loss_mask[rows, 1:].float().to(self.device) * keep
             mu = batch.behaviour_logprobs[rows, 1:].to(self.device).float()
-            logp, logits = logprobs(self.model, ids, self.temperature)
+            bonus = self.entropy_coef > 0
+            logp, ent = logprobs(self.model, ids, self.temperature, self.chunk,
+                                 "grad" if bonus else "value" if first else "")
             if first:
-                prox.record(batch, rows, keep, ids, logp, logits)
+                prox.record(batch, rows, keep, ids, logp, ent)
             ref = prox.ref[rows] if prox.ref is not None else None
-            ent = losses.token_entropy(logits) if self.entropy_coef > 0 else None
+            ent = ent if bonus else None
             loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, batch.advantages[rows].to(self.device),
                                              self.tcfg, ref=ref, denominators=den, entropy=ent,
                                              entropy_coef=self.entropy_coef,
@@ -244,7 +254,7 @@ class TrainCore:
         total = torch.zeros((), dtype=torch.float64)
         micro = minibatch_plan(input_ids.shape[0], 1, self.par.dp_world, self.par.dp_rank, self.tcfg.micro_batch_size)
         for rows, keep in micro[0][1]:
-            logp, _ = logprobs(self.model, input_ids[rows].to(self.device), 1.0)
+            logp, _ = logprobs(self.model, input_ids[rows].to(self.device), 1.0, self.chunk)
             loss = -(logp * mask_all[rows].to(self.device) * keep).sum() / n_tok
             (loss * self.par.dp_world).backward()
             total += loss.detach().double().cpu()
