@@ -96,23 +96,38 @@ def qwen3_config(layers: int | None = None, hidden: int | None = None, ffn: int 
 
 
 def tensor_shapes(conf: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint under its HF name, in file order, with its shape."""
-    d, f, hd = conf["hidden_size"], conf["intermediate_size"], conf["head_dim"]
+    """Every tensor of the checkpoint under its HF name, in file order, with its shape. Follows the
+    config's model_type: q/k norms for qwen3, q/k/v biases for qwen2 (pipeline/models/family_checkpoint.py
+    writes qwen2 and llama configs), neither for llama; `lm_head.weight` always (a copy when tied)."""
+    d, f = conf["hidden_size"], conf["intermediate_size"]
+    hd = conf.get("head_dim") or d // conf["num_attention_heads"]
     q, kv = conf["num_attention_heads"] * hd, conf["num_key_value_heads"] * hd
+    kind = conf["model_type"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (conf["vocab_size"], d)}
     for i in range(conf["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes.update({p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                       p + "self_attn.v_proj.weight": (kv, d)})
+        if kind == "qwen2":
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        shapes[p + "self_attn.o_proj.weight"] = (d, q)
+        if kind == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         shapes.update({
-            p + "input_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
-            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
             p + "post_attention_layernorm.weight": (d,),
             p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d), p + "mlp.down_proj.weight": (d, f),
         })
     shapes["model.norm.weight"] = (d,)
     shapes["lm_head.weight"] = (conf["vocab_size"], d)
     return shapes
+
+
+BIAS_STD = 0.5
+"""Spread of the q/k/v biases a qwen2 checkpoint is drawn with: large enough that a bias dropped or
+misplaced (by a loader, a shard or a push) moves the logits far beyond bf16's noise (Qwen2.5's own
+q/k biases reach tens)."""
 
 
 def random_weights(conf: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -126,37 +141,49 @@ def random_weights(conf: dict, seed: int) -> dict[str, torch.Tensor]:
             sd[name] = sd["model.embed_tokens.weight"].clone()
         elif name.endswith("norm.weight"):
             sd[name] = torch.ones(shape, dtype=torch.bfloat16)
+        elif name.endswith(".bias"):
+            sd[name] = torch.empty(shape).normal_(0.0, BIAS_STD, generator=gen).to(torch.bfloat16)
         else:
             sd[name] = torch.empty(shape).normal_(0.0, std, generator=gen).to(torch.bfloat16)
     return sd
 
 
-def build_checkpoint(out: str | Path, conf: dict, seed: int = 0, cache_dir: str | Path = CACHE_DIR) -> Path:
-    """Write a loadable Qwen3 folder at `out` (config.json, model.safetensors, tokenizer files)."""
+def build_checkpoint(out: str | Path, conf: dict, seed: int = 0, cache_dir: str | Path = CACHE_DIR,
+                     tokenizer: Path | None = None) -> Path:
+    """Write a loadable folder at `out` (config.json, model.safetensors, tokenizer files): Qwen3's tokenizer,
+    or the tokenizer files of folder `tokenizer` (every file but the config, weights and README)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    copy_tokenizer(out, cache_dir)
+    if tokenizer is None:
+        copy_tokenizer(out, cache_dir)
+    else:
+        for src in sorted(Path(tokenizer).iterdir()):
+            if src.is_file() and src.name not in ("config.json", "model.safetensors", "README.md"):
+                shutil.copy2(src, out / src.name)
     (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     save_file(random_weights(conf, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
-def checkpoint_dir(conf: dict, seed: int, cache_dir: str | Path = CACHE_DIR) -> Path:
-    """The cache folder of one (config, seed), under the tokenizer it is built with."""
-    key = json.dumps({"conf": conf, "seed": seed, "format": _FORMAT, "tok": tokenizer_dir(cache_dir).name},
-                     sort_keys=True)
+def checkpoint_dir(conf: dict, seed: int, cache_dir: str | Path = CACHE_DIR, tokenizer: Path | None = None) -> Path:
+    """The cache folder of one (config, seed), under the tokenizer it is built with (a `tokenizer` folder
+    is keyed by its name, which the builders here make a hash of their inputs)."""
+    tok = tokenizer_dir(cache_dir).name if tokenizer is None else Path(tokenizer).name
+    extra = {} if conf.get("model_type") == "qwen3" else {"bias_std": BIAS_STD}
+    key = json.dumps({"conf": conf, "seed": seed, "format": _FORMAT, "tok": tok, **extra}, sort_keys=True)
     return Path(cache_dir) / f"checkpoint-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def ensure_checkpoint(conf: dict, seed: int = 0, cache_dir: str | Path = CACHE_DIR) -> Path:
-    """`build_checkpoint` once per (config, seed) under `cache_dir`, published atomically; returns it."""
-    out = checkpoint_dir(conf, seed, cache_dir)
+def ensure_checkpoint(conf: dict, seed: int = 0, cache_dir: str | Path = CACHE_DIR,
+                      tokenizer: Path | None = None) -> Path:
+    """`build_checkpoint` once per (config, seed, tokenizer) under `cache_dir`, published atomically; returns it."""
+    out = checkpoint_dir(conf, seed, cache_dir, tokenizer)
     if (out / "model.safetensors").is_file():
         return out
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        build_checkpoint(tmp, conf, seed, cache_dir)
+        build_checkpoint(tmp, conf, seed, cache_dir, tokenizer)
         tmp.rename(out)
     except OSError:
         if not (out / "model.safetensors").is_file():

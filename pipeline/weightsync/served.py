@@ -18,7 +18,11 @@ float32, then rounded to a dtype that holds it). The LM head's packed copy is re
 (`<name>.weight@kernel`, tied: checked against the embedding), since a stale copy there serves old
 logits with a correct-looking parameter. Two values do not survive the kernel: −0.0 reads as +0.0
 and a subnormal as 0 (the bf16 dot-product instructions flush them, in the forward as here), so
-such a weight fails the check; trained weights never hold them in practice. The kernel read costs
+such a weight fails the check; trained weights never hold them in practice. Where oneDNN cannot
+make a kernel for a shape (the small llama/qwen2 test models' fused projections), vLLM keeps the
+parameter and computes with torch's linear: the parameter is checked, and read through the layer as
+`<name>.weight@kernel` against the same HF parts. A bias that vLLM's AMX kernel widened to float32
+is checked in its loaded dtype. The kernel read costs
 in_features × the layer's weights multiply-adds (the shrunk test models: milliseconds; a 0.6B model
 on CPU: seconds), which is why verify can run every k-th push.
 
@@ -82,15 +86,17 @@ def served_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, 
     first: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(p), name)
+    widened = {f"{n}.bias": m.params_dtype for n, m in _kernel_layers(model)}
     for name, p in model.named_parameters():
         if p.numel():
-            yield name, p.data, _sources(name, fused)
+            yield name, _as_loaded(p.data, widened.get(name)), _sources(name, fused)
     for mname, m in _kernel_layers(model):
         if m.weight.numel() == 0:
             name = f"{mname}.weight"
             yield name, _through_kernel(m).t(), _sources(name, fused)
-        else:  # a packed copy beside the kept parameter: it must hold the parameter's bytes
-            yield f"{mname}.weight{KERNEL}", _through_kernel(m).t(), [first[id(m.weight)]]
+        else:  # a kernel beside the kept parameter (the tied LM head's packed copy; a fused projection whose
+            # oneDNN kernel could not be made and computes from the parameter): it must hold its bytes
+            yield f"{mname}.weight{KERNEL}", _through_kernel(m).t(), _sources(first[id(m.weight)], fused)
 
 
 def _sources(name: str, fused: dict[str, list[str]]) -> list[str]:
@@ -98,6 +104,16 @@ def _sources(name: str, fused: dict[str, list[str]]) -> list[str]:
         if f".{packed}." in name:
             return [name.replace(f".{packed}.", f".{s}.") for s in subs]
     return [name]
+
+
+def _as_loaded(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A kernel layer's bias in the dtype it was loaded in: vLLM's AMX kernel (sgl weight_packed_linear)
+    keeps it widened to float32, which holds the loaded values exactly; one that does not round-trip
+    is returned as it is (and fails the check, as it should)."""
+    if dtype is None or t.dtype == dtype or t.dtype != torch.float32:
+        return t
+    narrow = t.to(dtype)
+    return narrow if torch.equal(narrow.float(), t) else t
 
 
 def _kernel_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
