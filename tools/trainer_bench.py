@@ -12,6 +12,18 @@ cpu_count / ranks). Measured on this shared 2-core box (32x128 tokens, tiny mode
 thread per rank (`trainer.cpu_threads=1`) 1 rank ~12.6k and 2 ranks ~14.0k trained tokens/s
 (1.11x); with the default, the 1-rank mesh runs 2 threads and swings from 2.5k to 8.4k tokens/s
 under the other jobs' load, so its "speed-up" of 1.5-5x measures contention, not FSDP.
+
+    .venv/bin/python tools/trainer_bench.py --loss-phase [--vocab 49152 151936] [--tokens 2048]
+        [--chunk 1024] [--repeats 4] [--threads 1]
+
+The loss head alone (trainer.logprob_chunk_tokens, pipeline/trainer/chunked.py), in-process, no
+Monarch: a 2-layer, dim-128 model (tied head) at each vocabulary, one micro-batch of --tokens tokens
+through the trainer's own forward, the PPO-clip loss with TIS and the entropy bonus, backward and
+AdamW, with the unchunked head (chunk 0) and the chunked one. Peak memory: each configuration in a
+fresh process, the RSS high-water (ru_maxrss) of one step above the RSS before it (the model's
+activations are a few MB; the rest is the loss head), and the bytes autograd saved for the backward
+(saved_tensors_hooks, distinct storages). Step time: one process per vocabulary alternating the two
+heads step by step, --repeats timed steps each after a warm-up; median and min..max.
 """
 
 from __future__ import annotations
@@ -117,7 +129,142 @@ async def push_overlap(trainer, batches: list[Batch], bar) -> dict:
             "push_over_step_median": med(push_s) / med(alone)}
 
 
+def _loss_model(vocab: int):
+    from pipeline.models import Arch, family
+
+    arch = Arch(model_type="qwen3", vocab_size=vocab, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                ffn_dim=384, norm_eps=1e-6, rope_theta=1e6, tied=True)
+    torch.manual_seed(0)
+    return family(arch).build(arch)
+
+
+def _loss_step(model, opt, ids, chunk: int, saved: list | None = None) -> None:
+    """One micro-batch as TrainCore._ppo_step runs it: forward, PPO-clip + TIS + entropy bonus, backward, AdamW."""
+    from pipeline import losses
+    from pipeline.config import TrainerConfig
+    from pipeline.trainer.step import logprobs
+
+    cfg = TrainerConfig(correction="tis", entropy_coef=0.01)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(ids.shape[0], ids.shape[1] - 1)
+
+    def run():
+        logp, ent = logprobs(model, ids, 1.0, chunk, "grad")
+        old = logp.detach()
+        mu = old + 0.1 * torch.randn(old.shape, generator=g)
+        adv = torch.randn(ids.shape[0], generator=g)
+        return losses.policy_loss(logp, old, mu, mask, adv, cfg, entropy=ent, entropy_coef=0.01)[0]
+
+    if saved is None:
+        loss = run()
+    else:  # bytes autograd holds for the backward, each storage once
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = run()
+        saved.append(sum(seen.values()))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def loss_phase_worker(vocab: int, tokens: int, chunk: int, repeats: int, mode: str, threads: int) -> dict:
+    """mode "memory": one step's RSS high-water above the RSS before it (run in a fresh process);
+    "time": steps alternating chunk 0 and `chunk` after a warm-up of each."""
+    import resource
+
+    import psutil
+
+    torch.set_num_threads(threads)
+    model = _loss_model(vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(4, vocab, (max(1, tokens // 512), min(tokens, 512) + 1), generator=torch.Generator().manual_seed(1))
+    if mode == "memory":
+        _loss_step(model, opt, ids[:, :9], chunk)  # optimizer state and allocator warm, on a few tokens
+        before = psutil.Process().memory_info().rss
+        saved: list[int] = []
+        t = time.perf_counter()
+        _loss_step(model, opt, ids, chunk, saved)
+        dt = time.perf_counter() - t
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"peak_bytes": peak - before, "saved_bytes": saved[0], "step_s": dt}
+    times: dict[int, list[float]] = {0: [], chunk: []}
+    for c in (0, chunk):
+        _loss_step(model, opt, ids, c)
+    for i in range(repeats):
+        for c in ((0, chunk) if i % 2 == 0 else (chunk, 0)):
+            t = time.perf_counter()
+            _loss_step(model, opt, ids, c)
+            times[c].append(time.perf_counter() - t)
+    return {str(c): v for c, v in times.items()}
+
+
+def loss_phase(args) -> None:
+    import statistics
+    import subprocess
+
+    def worker(vocab: int, chunk: int, mode: str) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--loss-phase-worker", mode, "--vocab", str(vocab),
+                              "--tokens", str(args.tokens), "--chunk", str(chunk), "--repeats", str(args.repeats),
+                              "--threads", str(args.threads)],
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    rows = []
+    for vocab in args.vocab:
+        mem = {c: worker(vocab, c, "memory") for c in (0, args.chunk)}
+        times = worker(vocab, args.chunk, "time")
+        t0, t1 = times["0"], times[str(args.chunk)]
+        rows.append({"vocab": vocab, "tokens": args.tokens, "chunk": args.chunk, "mem": mem,
+                     "time_0": t0, "time_chunk": t1, "ratios": [b / a for a, b in zip(t0, t1)]})
+        print(f"[trainer_bench] vocab {vocab}: done", flush=True)
+    gb = 2 ** 30
+    print(f"\nloss head: {args.tokens} tokens per micro-batch, 2 layers, dim 128, tied head, fp32, "
+          f"{args.threads} torch thread(s); chunk 0 = full logits, chunk {args.chunk} = trainer.logprob_chunk_tokens")
+    print(f"{'vocab':>7} {'chunk':>5} {'peak GiB':>9} {'saved GiB':>10} {'peak ratio':>11} "
+          f"{'step s median (min..max)':>26} {'time ratio median (min..max)':>30}")
+    for r in rows:
+        for c, ts in ((0, r["time_0"]), (args.chunk, r["time_chunk"])):
+            m = r["mem"][c]
+            ratio = m["peak_bytes"] / r["mem"][0]["peak_bytes"]
+            tr = "" if c == 0 else (f"{statistics.median(r['ratios']):.3f} ({min(r['ratios']):.3f}.."
+                                    f"{max(r['ratios']):.3f})")
+            print(f"{r['vocab']:>7} {c:>5} {m['peak_bytes'] / gb:>9.3f} {m['saved_bytes'] / gb:>10.3f} {ratio:>11.3f} "
+                  f"{statistics.median(ts):>10.2f} ({min(ts):.2f}..{max(ts):.2f}) {tr:>30}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "loss_phase.json").write_text(json.dumps(rows, indent=2))
+
+
 def main() -> None:
+    if "--loss-phase-worker" in sys.argv:
+        wp = argparse.ArgumentParser()
+        wp.add_argument("--loss-phase-worker", choices=("memory", "time"))
+        wp.add_argument("--vocab", type=int)
+        wp.add_argument("--tokens", type=int)
+        wp.add_argument("--chunk", type=int)
+        wp.add_argument("--repeats", type=int)
+        wp.add_argument("--threads", type=int)
+        a = wp.parse_args()
+        print(json.dumps(loss_phase_worker(a.vocab, a.tokens, a.chunk, a.repeats, a.loss_phase_worker, a.threads)))
+        return
+    if "--loss-phase" in sys.argv:
+        lp = argparse.ArgumentParser(description="the loss head alone, chunked vs not")
+        lp.add_argument("--loss-phase", action="store_true")
+        lp.add_argument("--vocab", type=int, nargs="+", default=[49152, 151936])
+        lp.add_argument("--tokens", type=int, default=2048)
+        lp.add_argument("--chunk", type=int, default=1024)
+        lp.add_argument("--repeats", type=int, default=4)
+        lp.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+        lp.add_argument("--out", default="")
+        loss_phase(lp.parse_args())
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out/trainer")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
