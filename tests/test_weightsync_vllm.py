@@ -58,9 +58,9 @@ def vllm_logprobs(loop, llm, ids: list[int]) -> torch.Tensor:
     return torch.tensor([out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))])
 
 
-def perturbed(hf_sd: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+def perturbed(hf_sd: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * v.std().nan_to_num(0) * torch.randn(v.shape, generator=g, dtype=v.dtype)
+    return {k: v + scale * v.std().nan_to_num(0) * torch.randn(v.shape, generator=g, dtype=v.dtype)
             if v.is_floating_point() and v.numel() > 1 else v.clone() for k, v in hf_sd.items()}
 
 
@@ -205,3 +205,55 @@ def test_shadow_weights_load_while_generating_and_swap_bit_exact(tiny_dir, engin
     finally:
         receiver.close()
         sender.close()
+
+
+def test_reload_in_place_empties_the_prefix_cache(tiny_dir, engine, loop, tmp_path):
+    """load_export (the auto warm start's in-place reload, same version label, no pause around it):
+    a prompt whose prefix the engine cached under the old weights is computed afresh on the new ones,
+    so the next token's logprob is the trainer's for the new weights, not one from cached old KV."""
+    from safetensors.torch import save_file
+    from vllm import SamplingParams, TokensPrompt
+
+    from pipeline.weightsync import load_export
+
+    model, adapter = build_model(tiny_dir)
+    hf_sd = export_hf(model, adapter)
+    block = engine.vllm_config.cache_config.block_size
+    ids = load_tokenizer(tiny_dir)(PROMPT * 20)["input_ids"][:min(2 * block + 3, 200)]
+    assert len(ids) > block, "the prompt must fill a block for the prefix cache to hold it"
+
+    def export(sd, name):
+        (tmp_path / name).mkdir()
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / name / "model.safetensors"))
+        return str(tmp_path / name)
+
+    def next_token():
+        """(token, its logprob, prompt tokens served from the prefix cache) of a greedy step."""
+        async def run():
+            out = None
+            sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), sp, request_id=f"pc{os.urandom(4).hex()}"):
+                pass
+            return out
+        out = loop.run_until_complete(asyncio.wait_for(run(), 120))
+        tok = out.outputs[0].token_ids[0]
+        return tok, out.outputs[0].logprobs[0][tok].logprob, out.num_cached_tokens
+
+    def trainer_logprob(sd, tok):
+        model.load_state_dict(adapter.from_hf(dict(sd)), strict=False)
+        with torch.no_grad():
+            return token_logprobs(model, torch.tensor([ids + [tok]]))[0, -1].item()
+
+    old_sd, new_sd = perturbed(hf_sd, 31, scale=0.5), perturbed(hf_sd, 32)  # far apart: stale KV shows
+    loop.run_until_complete(load_export(engine, export(old_sd, "old"), 60, timeout_s=60))
+    next_token()  # caches the prompt's full blocks under the old weights
+    tok, lp_old, hit = next_token()
+    assert hit >= block, "the engine does not reuse a cached prefix: this test would prove nothing"
+    assert abs(lp_old - trainer_logprob(old_sd, tok)) <= 1e-3
+
+    loop.run_until_complete(load_export(engine, export(new_sd, "new"), 60, timeout_s=60))
+    assert loop.run_until_complete(engine.get_weight_version()) == "60"  # same label: nothing else tells them apart
+    tok, lp_new, hit = next_token()
+    ref = trainer_logprob(new_sd, tok)
+    assert abs(lp_new - ref) <= 1e-3, f"served {lp_new:.5f}, fresh {ref:.5f}: the old weights' cached prefix was reused"
+    assert hit == 0, f"{hit} prompt tokens came from KV cached under the old weights"

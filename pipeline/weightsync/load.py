@@ -44,7 +44,8 @@ class WeightLoadError(WeightSyncError):
 async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout_s: float) -> None:
     """start_weight_update -> update_weights (views of the staged buckets) -> finish_weight_update.
 
-    Pause generation around this call (the generator's `on_update` strategy). On return the
+    Pause generation around this call (the generator's `on_update` strategy; its abort and drain
+    pauses empty the prefix cache, clear_cache=True, and keep engines run without one). On return the
     engine serves `version`, and labels the tokens of its later steps with it (finish sets the
     label; checked with `get_weight_version`), and `receiver.loaded_version` is set. On any failure it raises WeightLoadError / SyncTimeoutError naming the version and
     sets the engine's weight version to `INVALID_PREFIX + str(version)`: the engine may hold a mix
@@ -74,8 +75,16 @@ async def load_into_vllm(engine, receiver: WeightReceiver, version: int, timeout
 async def load_export(engine, hf_dir: str, version: int, timeout_s: float) -> None:
     """The weights of an HF export of the served model (`hf_dir`: its safetensors files) into a
     running engine through the same backend and layerwise reload as a push (a tied lm_head reloaded
-    too), labelled `version` (the caller's current one: the warm start reloads under version 0).
-    No generation may run meanwhile. Failures as load_into_vllm's: the engine stops claiming a version."""
+    too), labelled `version` (the caller's current one: the warm start reloads under version 0),
+    then the engine's prefix cache emptied. No generation may run meanwhile. Failures as
+    load_into_vllm's: the engine stops claiming a version.
+
+    Why the reset: nothing pauses the engine around this reload, so nothing else clears the prefix
+    cache (a push's abort / drain pause does, with clear_cache=True; keep runs without prefix
+    caching), and the version label does not change: every later request sharing a cached prefix
+    (a chat template's system prompt, a probe's prompt) would reuse KV of the old weights. A reset
+    that vLLM refuses (a request still holds blocks) fails the load; an engine without prefix
+    caching has nothing to reset."""
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
     async def run() -> None:
@@ -83,6 +92,9 @@ async def load_export(engine, hf_dir: str, version: int, timeout_s: float) -> No
         await engine.update_weights(WeightTransferUpdateRequest(
             update_info={"segment": "", "version": version, "hf_dir": str(hf_dir)}))
         await engine.finish_weight_update(weight_version=str(version))
+        if engine.vllm_config.cache_config.enable_prefix_caching and not await engine.reset_prefix_cache():
+            raise WeightLoadError(f"version {version}: the prefix cache still holds KV of the old weights after "
+                                  f"loading {hf_dir} (vLLM refused the reset: a request is still running)")
 
     try:
         await asyncio.wait_for(run(), timeout_s)
