@@ -299,7 +299,10 @@ def max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("epochs, micro", [(1, 0), (2, 0), (2, 2)])
 def test_minibatches_equal_hand_steps_against_a_fixed_pi_old(cfg, epochs, micro):
     lr = 1e-2
-    c = Config(model=cfg.model, trainer=TrainerConfig(lr=lr, minibatches=2, epochs=epochs, micro_batch_size=micro))
+    # the unchunked loss head: hand_steps score with token_logprobs, which the bitwise comparison needs
+    # (the chunked head equals it within float rounding, tests/test_chunked_logprobs.py)
+    c = Config(model=cfg.model, trainer=TrainerConfig(lr=lr, minibatches=2, epochs=epochs, micro_batch_size=micro,
+                                                      logprob_chunk_tokens=0))
     auto, hand, drift = TrainCore(c), TrainCore(c), TrainCore(c)  # same seed: same initial weights
     b = make_batch(auto.model, n=7, mu_noise=0.2)
     m = auto.train_step(b)
