@@ -222,7 +222,9 @@ def loss_phase(args) -> None:
         t0, t1 = times["0"], times[str(args.chunk)]
         rows.append({"vocab": vocab, "tokens": args.tokens, "chunk": args.chunk, "mem": mem,
                      "time_0": t0, "time_chunk": t1, "ratios": [b / a for a, b in zip(t0, t1)]})
-        print(f"[trainer_bench] vocab {vocab}: done", flush=True)
+        m0, m1 = mem[0]["peak_bytes"], mem[args.chunk]["peak_bytes"]
+        print(f"[trainer_bench] vocab {vocab}: peak {m0 / 2**30:.3f} -> {m1 / 2**30:.3f} GiB ({m1 / m0:.3f}x), step "
+              f"{statistics.median(t0):.2f} -> {statistics.median(t1):.2f} s", flush=True)
     gb = 2 ** 30
     print(f"\nloss head: {args.tokens} tokens per micro-batch, 2 layers, dim 128, tied head, fp32, "
           f"{args.threads} torch thread(s); chunk 0 = full logits, chunk {args.chunk} = trainer.logprob_chunk_tokens")
