@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import types
 from pathlib import Path
 
@@ -31,7 +30,8 @@ LLAMA3_TEMPLATE = (  # the shape of Llama 3.x Instruct's: a header per turn, <|e
     "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023<|eot_id|>' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -111,7 +111,8 @@ def test_chatml_turn_ends_with_im_end(name, qwen_dir, request):
 def test_without_a_template_or_with_plain_text_turns_the_end_is_eos(tiny_dir, qwen_dir, tmp_path):
     tiny = SpecialTokens.of(load_tokenizer(tiny_dir))
     assert tiny.eot == tiny.eos and tiny.stop == (tiny.eos,)
-    plain = load_tokenizer(_variant(qwen_dir, tmp_path / "plain", PLAIN_TEMPLATE, [], "<|endoftext|>", ["<|endoftext|>"]))
+    plain = load_tokenizer(_variant(qwen_dir, tmp_path / "plain", PLAIN_TEMPLATE, [], "<|endoftext|>",
+                                    ["<|endoftext|>"]))
     s = SpecialTokens.of(plain)
     assert s.eot == s.eos == ENDOFTEXT_ID and s.stop == (ENDOFTEXT_ID,)
 

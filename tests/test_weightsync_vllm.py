@@ -232,7 +232,8 @@ def test_reload_in_place_empties_the_prefix_cache(tiny_dir, engine, loop, tmp_pa
         async def run():
             out = None
             sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
-            async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), sp, request_id=f"pc{os.urandom(4).hex()}"):
+            rid = f"pc{os.urandom(4).hex()}"
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), sp, request_id=rid):
                 pass
             return out
         out = loop.run_until_complete(asyncio.wait_for(run(), 120))
