@@ -4,6 +4,7 @@ across a fresh mesh, bad input refused over the actor boundary, HF export loads 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 
 from actors.trainer import Trainer
 from pipeline.config import Config, ModelConfig, TrainerConfig
-from pipeline.model import build_model, model_dir
+from pipeline.model import build_model, model_dir, read_hf_config
 from tests.test_trainer_core import make_batch, replace
 
 pytestmark = pytest.mark.slow
@@ -187,13 +188,29 @@ def test_sharded_push_from_two_ranks_is_bit_identical_to_the_export(loop, traine
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_sharded_push_from_an_fsdp_by_tensor_parallel_mesh_is_the_export(loop, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_sharded_push_from_an_fsdp_by_tensor_parallel_mesh_is_the_export(loop, tmp_path, family):
     """4 ranks as 2 (FSDP2) x 2 (tensor parallel): column-, row- and 2-D sharded pieces, replicas
-    sent once, assembled into exactly the gathered export."""
-    tp = loop.run_until_complete(Trainer.start(cfg_for(4, tensor_parallel=2), name="ttpush"))
+    sent once, assembled into exactly the gathered export, and into the HF checkpoint's own tensors
+    (a push straight after loading it). qwen3: the tiny model (q/k norms); qwen2: its small checkpoint
+    with Qwen's vocabulary (pipeline/models/family_checkpoint.py), whose q/k/v biases are column-sharded
+    with the fused QKV weight, KV group by KV group."""
+    from pipeline.model import load_hf_state_dict
+    from pipeline.models.family_checkpoint import ensure_family_checkpoint
+
+    cfg = cfg_for(4, tensor_parallel=2)
+    if family == "qwen2":
+        cfg = dataclasses.replace(cfg, model=ModelConfig(hf_dir=str(ensure_family_checkpoint("qwen2"))))
+    hf_dir = model_dir(cfg.model)
+    tp = loop.run_until_complete(Trainer.start(cfg, name=f"ttpush{family}"))
     try:
         got, _ = pull_pushed(loop, tp, "shm")
         want = hf_weights(loop, tp, tmp_path / "want")
     finally:
         loop.run_until_complete(tp.close())
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ckpt = load_hf_state_dict(hf_dir)
+    assert set(got) == set(ckpt) - ({"lm_head.weight"} if read_hf_config(hf_dir)["tie_word_embeddings"] else set())
+    assert [k for k in got if not torch.equal(got[k], ckpt[k].to(got[k].dtype))] == []
+    if family == "qwen2":
+        assert "model.layers.1.self_attn.k_proj.bias" in got
