@@ -100,7 +100,7 @@ def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
         return rho.clamp(max=cfg.is_cap), (rho > cfg.is_cap) & on
     if c == "vanilla_is":
         return rho, torch.zeros_like(on)
-    if c == "mis":
+    if c in ("mis", "icepop"):  # icepop: the same weight, its window [0.5, 5] by default
         keep = (rho >= cfg.mis_low) & (rho <= cfg.mis_high)
         return torch.where(keep, rho, torch.zeros_like(rho)), ~keep & on
     if c == "mis_balance":
@@ -148,6 +148,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     log_mix: torch.Tensor | None = None,
+    max_len: int = 0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss (scalar, differentiable through `logp` and `entropy`) and per-shard *sums* for metrics.
 
@@ -155,26 +156,44 @@ def policy_loss(
     `entropy` [N, T-1]: per-token entropy of π_θ (`token_entropy`), rewarded with `entropy_coef`
     (the caller's current coefficient: fixed, or adapted by `adapt_entropy_coef`).
     `log_mix` [N]: mis_balance's per-sample mixture log-likelihood (`balance_log_mixture`).
-    The returned sums are detached: `clip_tokens` (tokens where the clipped branch is active),
+    `max_len`: aggregation=constant's normaliser per sequence (generator.max_new_tokens).
+    The returned sums are detached: `clip_tokens` (tokens where the clipped branch is active; under
+    cispo, where the weight is clipped), split into `clip_low_tokens` and `clip_high_tokens`,
     `dual_clip_tokens` (negative-advantage tokens held at c·A by the dual clip), `is_clip_tokens`
-    (tokens the correction truncated or dropped), `kl_sum`, `tokens`.
+    (tokens the correction truncated or dropped), `kl_sum`, `tokens`; with ratio_level=sequence also
+    `seq_ratio_n`, `seq_ratio_sum`, `seq_ratio_sq_sum` (GSPO's s_i over the sequences with loss tokens)
+    and `seq_clip_seqs` (sequences whose s_i left the clip range).
     """
     mask = mask.to(logp.dtype)
     old, mu = old.detach(), mu.detach()
     n_tok, n_seq = denominators if denominators is not None else local_denominators(mask)
     adv = advantages.to(logp.dtype)[:, None]
+    on = mask > 0
+    lo, hi = 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high
     base = mu if cfg.correction == "ppo_is" else old
-    ratio = torch.exp((logp - base).clamp(max=_MAX_LOG_RATIO))
-    clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    log_ratio = torch.where(on, logp - base, torch.zeros_like(logp))  # where: -inf padding would give nan
+    seq_ratio = None
+    if cfg.ratio_level == "sequence":
+        # GSPO: s_i = exp(mean_t log r_t); GSPO-token's form sg(s_i)·π_θ(y_t)/sg(π_θ(y_t)) has s_i's value and
+        # gives token t the gradient s_i·∇log π_θ(y_t), so seq_mean's 1/|y_i| makes it GSPO's gradient exactly.
+        seq_log = (log_ratio.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).detach()
+        seq_ratio = torch.exp(seq_log.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        log_ratio = seq_log[:, None] + logp - logp.detach()
+    ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))
+    clipped = ratio.clamp(lo, hi)
     dual = torch.zeros_like(mask, dtype=torch.bool)
-    if cfg.dual_clip > 0:
-        # For A < 0 the clipped surrogate is A·max(r, 1−ε), unbounded below as r grows, so one
-        # token with a huge r would dominate the batch. At the bound the token has no gradient;
-        # a tie (s = c·A) keeps the surrogate's gradient.
-        bound = cfg.dual_clip * adv
-        dual = (adv < 0) & (surrogate < bound)
-        surrogate = torch.where(dual, bound, surrogate)
+    if cfg.weight_form == "cispo":
+        # CISPO: the clipped ratio is a detached weight on a REINFORCE term, so every token keeps a gradient.
+        surrogate = clipped.detach() * adv * logp
+    else:
+        surrogate = torch.minimum(ratio * adv, clipped * adv)
+        if cfg.dual_clip > 0:
+            # For A < 0 the clipped surrogate is A·max(r, 1−ε), unbounded below as r grows, so one
+            # token with a huge r would dominate the batch. At the bound the token has no gradient;
+            # a tie (s = c·A) keeps the surrogate's gradient.
+            bound = cfg.dual_clip * adv
+            dual = (adv < 0) & (surrogate < bound)
+            surrogate = torch.where(dual, bound, surrogate)
     w, affected = is_weights(old, mu, mask, cfg, log_mix)
     per_token = -w * surrogate
     kl = torch.zeros_like(logp)
@@ -183,21 +202,39 @@ def policy_loss(
         per_token = per_token + cfg.kl_coef * kl
     if entropy is not None and entropy_coef > 0:
         per_token = per_token - entropy_coef * entropy
-    loss = aggregate(per_token, mask, cfg.aggregation, n_tok, n_seq)
+    loss = aggregate(per_token, mask, cfg.aggregation, n_tok, n_seq, max_len)
     with torch.no_grad():
-        clip_active = (clipped * adv < ratio * adv) & (mask > 0)
+        r = ratio.detach()
+        if cfg.weight_form == "cispo":  # the weight is clipped whatever the advantage's sign
+            low, high = (r < lo) & on, (r > hi) & on
+        else:  # the clipped branch is the active one: A > 0 above 1 + ε_high, A < 0 below 1 − ε_low
+            low, high = (adv < 0) & (r < lo) & on, (adv > 0) & (r > hi) & on
         stats = {
-            "clip_tokens": clip_active.sum().to(torch.float64),
-            "dual_clip_tokens": (dual & (mask > 0)).sum().to(torch.float64),
+            "clip_tokens": (low | high).sum().to(torch.float64),
+            "clip_low_tokens": low.sum().to(torch.float64),
+            "clip_high_tokens": high.sum().to(torch.float64),
+            "dual_clip_tokens": (dual & on).sum().to(torch.float64),
             "is_clip_tokens": affected.sum().to(torch.float64),
             "kl_sum": (kl * mask).sum().to(torch.float64),
             "tokens": mask.sum().to(torch.float64),
         }
+        if seq_ratio is not None:
+            has = on.any(dim=1)
+            s_r = seq_ratio[has].to(torch.float64)
+            stats.update({"seq_ratio_n": has.sum().to(torch.float64), "seq_ratio_sum": s_r.sum(),
+                          "seq_ratio_sq_sum": (s_r * s_r).sum(),
+                          "seq_clip_seqs": ((s_r < lo) | (s_r > hi)).sum().to(torch.float64)})
     return loss, stats
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, n_tok: float, n_seq: float) -> torch.Tensor:
-    """Σ over the shard divided by global denominators (so shard losses sum to the global loss)."""
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, n_tok: float, n_seq: float,
+              max_len: int = 0) -> torch.Tensor:
+    """Σ over the shard divided by global denominators (so shard losses sum to the global loss).
+    constant: Σ ℓ·mask / (n_seq · max_len), Dr. GRPO's constant normaliser (max_len > 0 required)."""
+    if aggregation == "constant":
+        if max_len <= 0:
+            raise ValueError("losses: aggregation='constant' needs max_len > 0 (generator.max_new_tokens)")
+        return (per_token * mask).sum() / (max(n_seq, 1.0) * max_len)
     if aggregation == "token_mean":
         return (per_token * mask).sum() / max(n_tok, 1.0)
     if aggregation == "seq_mean":

@@ -31,8 +31,9 @@ class BufferConfig:
     slope_tstat: float = 2.0
     """Δ grows only while the window's reward slope / its standard error exceeds this (>= 0), i.e.
     while the reward is significantly rising; otherwise Δ decays. 0 grows on any positive slope."""
-    normalize_std: bool = True
-    """Divide group-relative advantages by the group's reward std."""
+    normalize_std: bool | None = None
+    """Divide group-relative advantages by the group's reward std (a loss-recipe part, trainer.recipe:
+    true unless the recipe is dr_grpo; a value set here wins)."""
     retry_stale: bool = True
     """A group dropped as stale was never trained on: admit its prompt again (before new prompts), so
     a finite dataset loses no prompt to staleness. Counted in the buffer stats as retried_prompts."""
@@ -55,6 +56,9 @@ class BufferConfig:
     default), with one torch thread per core."""
 
     def __post_init__(self) -> None:
+        self.std_explicit = self.normalize_std is not None  # a plain attribute: Config lets the recipe decide
+        if self.normalize_std is None:
+            self.normalize_std = True
         check(1 <= self.group_size <= 1024, "buffer.group_size", self.group_size, "1..1024")
         check(1 <= self.batch_groups <= 65536, "buffer.batch_groups", self.batch_groups, "1..65536")
         check(0 <= self.max_staleness <= 1000, "buffer.max_staleness", self.max_staleness, "0..1000")

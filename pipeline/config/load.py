@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.config.errors import ConfigError
+from pipeline.config.trainer import RECIPE_PARTS
 from pipeline.config.tree import Config
 
 REMOVED_KEYS: dict[str, str] = {
@@ -56,6 +57,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     _refuse_removed(dict(ov.split("=", 1) for ov in overrides), "a command-line override")
     try:
         cfg = OmegaConf.structured(Config)
+        # The recipe parts start unset (the defaults' own __post_init__ resolved them), so that the
+        # sections can tell a key the file or the command line named from one trainer.recipe fills.
+        for key in RECIPE_PARTS:
+            cfg.trainer[key] = None
+        cfg.buffer.normalize_std = None
         if path is not None:
             p = Path(path)
             if not p.is_file():
@@ -73,4 +79,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         msg = str(e).splitlines()[0]
         raise ConfigError(f"config: bad key {key!r}: {msg}") from None
     assert isinstance(obj, Config)
+    if obj.model.hf_dir.startswith("builtin:"):  # a checkpoint built here (pipeline/models BUILTIN), once
+        from pipeline.models import ModelError, resolve_builtin
+
+        try:
+            obj.model.hf_dir = resolve_builtin(obj.model.hf_dir)
+        except ModelError as e:
+            raise ConfigError(f"config: {e}") from None
     return obj

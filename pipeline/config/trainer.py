@@ -3,13 +3,45 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pipeline.config.errors import check, choice, id_set
 
 LORA_TARGETS = {"wqkv": "attention.qkv_linear.wqkv", "wo": "attention.wo", "w1": "feed_forward.w1",
                 "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
 """trainer.lora.targets names -> the torchtitan module path inside a block (pipeline/lora.py adapts them)."""
+
+RECIPE_PARTS = ("clip_eps", "clip_eps_low", "clip_eps_high", "dual_clip", "ratio_level", "weight_form", "aggregation",
+                "overlong_buffer", "overlong_penalty", "overlong_filter", "mis_low", "mis_high")
+"""The trainer keys a recipe sets (each None until resolved: a key the config names wins over its recipe).
+buffer.normalize_std is a part too (resolved by Config, tree.py), and so is overlong_buffer under dapo
+(a fifth of generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
+
+NO_PRESET = {"clip_eps": 0.2, "dual_clip": 3.0, "ratio_level": "token", "weight_form": "ppo",
+             "aggregation": "token_mean", "overlong_buffer": 0, "overlong_penalty": 1.0, "overlong_filter": False,
+             "mis_low": 0.5, "mis_high": 2.0}
+"""recipe=none: each part at its own default (the loss this trainer had before recipes)."""
+
+RECIPES: dict[str, dict] = {
+    "none": {},
+    # GRPO (Shao et al. 2024, DeepSeekMath): PPO-clip, symmetric 0.2, each response's token mean, std on
+    "grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "seq_mean", "normalize_std": True},
+    # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token mean over the batch, overlong shaping + filtering
+    "dapo": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": 0.0, "aggregation": "token_mean",
+             "overlong_buffer": None, "overlong_penalty": 1.0, "overlong_filter": True, "normalize_std": True},
+    # Dr. GRPO (Liu et al. 2025): no std, constant normaliser (generator.max_new_tokens)
+    "dr_grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "constant", "normalize_std": False},
+    # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio, clip 3e-4 / 4e-4, sequence mean
+    "gspo": {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "dual_clip": 0.0, "ratio_level": "sequence",
+             "aggregation": "seq_mean", "normalize_std": True},
+    # CISPO (MiniMax-M1, 2025): clipped, detached IS weight on a REINFORCE term; no lower bound, token mean
+    "cispo": {"clip_eps_low": 1.0, "clip_eps_high": 0.28, "weight_form": "cispo", "aggregation": "token_mean",
+              "normalize_std": True},
+}
+"""trainer.recipe -> the parts it sets (docs/training.md "Loss recipes"); a part it leaves out takes NO_PRESET's."""
+
+SEQUENCE_CORRECTIONS = ("none", "seq_is", "mis_balance", "ppo_is")
+"""Off-policy corrections that compose with trainer.ratio_level=sequence (one weight per sequence, or none)."""
 
 
 @dataclass
@@ -59,28 +91,54 @@ class TrainerConfig:
     """AdamW weight decay (>= 0)."""
     grad_clip: float = 1.0
     """Max global grad norm (> 0)."""
-    clip_eps: float = 0.2
-    """PPO clip ε (0 < ε < 1)."""
-    dual_clip: float = 3.0
-    """c of dual-clip PPO: for negative-advantage tokens the objective is bounded at c·A, so a
-    token whose ratio has run far above 1 cannot push the loss without limit; 0 disables; otherwise > 1."""
+    recipe: str = "none"
+    """Loss recipe preset: none | grpo | dapo | dr_grpo | gspo | cispo (RECIPES; docs/training.md "Loss
+    recipes"). It sets the parts below marked "recipe part"; a part the config names itself wins."""
+    clip_eps: float | None = None
+    """Recipe part. PPO clip ε (0 < ε < 1), both sides unless clip_eps_low / clip_eps_high say otherwise (0.2)."""
+    clip_eps_low: float | None = None
+    """Recipe part. ε_low: the ratio (or CISPO's weight) is clipped below at 1 − ε_low (0 < ε_low <= 1;
+    1: no lower bound). Default: clip_eps."""
+    clip_eps_high: float | None = None
+    """Recipe part. ε_high: clipped above at 1 + ε_high (> 0; DAPO's clip-higher 0.28). Default: clip_eps."""
+    dual_clip: float | None = None
+    """Recipe part. c of dual-clip PPO (3.0): for negative-advantage tokens the objective is bounded at c·A, so a
+    token whose ratio has run far above 1 cannot push the loss without limit; 0 disables; otherwise > 1.
+    Only with weight_form=ppo (CISPO's weight is bounded already)."""
+    ratio_level: str | None = None
+    """Recipe part. token | sequence (token): sequence is GSPO's length-normalised ratio
+    s_i = exp(mean_t log r_t), clipped per sequence, with GSPO-token's gradient form."""
+    weight_form: str | None = None
+    """Recipe part. ppo | cispo (ppo): ppo is min(r·A, clip(r)·A); cispo is sg(clip(r, 1 − ε_low, 1 + ε_high))·A·log π_θ
+    (MiniMax-M1), so no token's gradient is dropped by the clip."""
     minibatches: int = 1
     """Optimizer steps per batch per epoch: the batch's rows split into this many minibatches
     (1..1024, at most the batch's sample count buffer.batch_groups * buffer.group_size)."""
     epochs: int = 1
     """Passes over the batch (1..100); π_old stays the policy from before the batch's first step."""
     correction: str = "tis"
-    """Off-policy correction: none | tis | seq_is | mis (masked IS) | mis_balance (multiple IS with the
+    """Off-policy correction: none | tis | seq_is | mis (masked IS) | icepop (mis with the window [0.5, 5]) | mis_balance (multiple IS with the
     balance heuristic, for consistent rollouts: generator.on_update=drain or run.mode=sync, and
     generator.carry_over=keep; keeps max_staleness policy snapshots on the trainer) | ppo_is | vanilla_is."""
     is_cap: float = 2.0
     """C: truncation cap of TIS / sequence IS (>= 1)."""
-    mis_low: float = 0.5
-    """Masked IS keeps tokens with ratio in [mis_low, mis_high] (0 <= low < 1)."""
-    mis_high: float = 2.0
-    """Upper bound of the masked-IS ratio window (> 1)."""
-    aggregation: str = "token_mean"
-    """Loss aggregation: token_mean | seq_mean."""
+    mis_low: float | None = None
+    """Masked IS keeps tokens with ratio in [mis_low, mis_high] (0 <= low < 1; 0.5)."""
+    mis_high: float | None = None
+    """Upper bound of the masked-IS ratio window (> 1; 2.0, and 5.0 with correction=icepop)."""
+    aggregation: str | None = None
+    """Recipe part. Loss aggregation: token_mean (Σ over the batch's tokens / their count) | seq_mean (mean over
+    sequences of each one's token mean) | constant (Σ / (sequences × generator.max_new_tokens), Dr. GRPO)."""
+    overlong_buffer: int | None = None
+    """Recipe part. DAPO's soft overlong penalty over the last this-many tokens of the length budget L
+    (generator.max_new_tokens, or a prompt's own max_new_tokens): a response of length n > L − buffer gets
+    overlong_penalty · (L − buffer − n) / buffer added to its reward before the group advantages (0: off;
+    dapo: L // 5)."""
+    overlong_penalty: float | None = None
+    """Recipe part. Scale of the overlong penalty at the end of the budget (> 0; 1.0)."""
+    overlong_filter: bool | None = None
+    """Recipe part. Truncated samples (finish_reason 'length') get no loss tokens (DAPO's overlong filtering);
+    they still count in their group's advantages."""
     kl_coef: float = 0.0
     """KL penalty to the reference policy (>= 0; 0 disables it): the policy after the supervised
     warm start (run.warm_start_steps), else the initial checkpoint. Holds the policy near a
@@ -132,6 +190,7 @@ class TrainerConfig:
     tokens; each batch goes back to the buffer as dropped) before the run stops (>= 1)."""
 
     def __post_init__(self) -> None:
+        self._resolve_recipe()
         check(1 <= self.num_ranks <= 4096, "trainer.num_ranks", self.num_ranks, "1..4096")
         choice("trainer.device", self.device, ("cpu", "cuda"))
         choice("trainer.backend", self.backend, ("gloo", "nccl"))
@@ -145,15 +204,31 @@ class TrainerConfig:
         check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
         check(self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "> 0")
         check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "0 < eps < 1")
+        check(0 < self.clip_eps_low <= 1, "trainer.clip_eps_low", self.clip_eps_low, "0 < eps_low <= 1")
+        check(0 < self.clip_eps_high and math.isfinite(self.clip_eps_high), "trainer.clip_eps_high",
+              self.clip_eps_high, "> 0")
         check(self.dual_clip == 0 or self.dual_clip > 1, "trainer.dual_clip", self.dual_clip, "0 (off) or > 1")
+        choice("trainer.ratio_level", self.ratio_level, ("token", "sequence"))
+        choice("trainer.weight_form", self.weight_form, ("ppo", "cispo"))
+        check(self.overlong_buffer is None or self.overlong_buffer >= 0, "trainer.overlong_buffer",
+              self.overlong_buffer, ">= 0 (0: off)")
+        check(self.overlong_penalty > 0, "trainer.overlong_penalty", self.overlong_penalty, "> 0")
         check(1 <= self.minibatches <= 1024, "trainer.minibatches", self.minibatches, "1..1024")
         check(1 <= self.epochs <= 100, "trainer.epochs", self.epochs, "1..100")
         choice("trainer.correction", self.correction,
-               ("none", "tis", "seq_is", "mis", "mis_balance", "ppo_is", "vanilla_is"))
+               ("none", "tis", "seq_is", "mis", "icepop", "mis_balance", "ppo_is", "vanilla_is"))
+        if self.ratio_level == "sequence":
+            check(self.correction in SEQUENCE_CORRECTIONS, "trainer.correction", self.correction,
+                  f"one of {', '.join(SEQUENCE_CORRECTIONS)} with trainer.ratio_level='sequence' (recipe "
+                  f"{self.recipe!r}): a per-token weight on a sequence-level ratio reweights the tokens of one "
+                  "sequence unevenly, which is neither GSPO nor an importance-sampling correction of it; "
+                  "seq_is / mis_balance give one weight per sequence")
+            check(self.weight_form == "ppo", "trainer.weight_form", self.weight_form,
+                  "'ppo' with trainer.ratio_level='sequence' (CISPO's weight is per token)")
         check(self.is_cap >= 1, "trainer.is_cap", self.is_cap, ">= 1")
         check(0 <= self.mis_low < 1, "trainer.mis_low", self.mis_low, "0 <= low < 1")
         check(self.mis_high > 1, "trainer.mis_high", self.mis_high, "> 1")
-        choice("trainer.aggregation", self.aggregation, ("token_mean", "seq_mean"))
+        choice("trainer.aggregation", self.aggregation, ("token_mean", "seq_mean", "constant"))
         check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
         check(self.entropy_coef >= 0, "trainer.entropy_coef", self.entropy_coef, ">= 0")
         check(self.entropy_target >= 0, "trainer.entropy_target", self.entropy_target, ">= 0 (0: off)")
@@ -173,4 +248,24 @@ class TrainerConfig:
         check(self.init_timeout_s > 0, "trainer.init_timeout_s", self.init_timeout_s, "> 0")
         check(self.step_timeout_s > 0, "trainer.step_timeout_s", self.step_timeout_s, "> 0")
         check(self.max_skipped_steps >= 1, "trainer.max_skipped_steps", self.max_skipped_steps, ">= 1")
+
+    def _resolve_recipe(self) -> None:
+        """Fill each recipe part the config left unset (None): the recipe's value, else NO_PRESET's. The
+        parts named explicitly are kept in `explicit_parts` (Config resolves buffer.normalize_std and
+        dapo's overlong_buffer from them)."""
+        choice("trainer.recipe", self.recipe, tuple(RECIPES))
+        preset = RECIPES[self.recipe]
+        given = {f.name for f in fields(self) if f.name in RECIPE_PARTS and getattr(self, f.name) is not None}
+        self.explicit_parts = frozenset(given)  # a plain attribute, not a key
+        icepop = self.correction == "icepop"
+        defaults = {**NO_PRESET, "mis_high": 5.0 if icepop else 2.0}
+        for key in ("clip_eps", "dual_clip", "ratio_level", "weight_form", "aggregation", "overlong_penalty",
+                    "overlong_filter", "mis_low", "mis_high"):
+            if key not in given:
+                setattr(self, key, preset.get(key, defaults[key]))
+        if "overlong_buffer" not in given:  # dapo's None: a fifth of generator.max_new_tokens (Config)
+            self.overlong_buffer = preset.get("overlong_buffer", 0)
+        for side in ("clip_eps_low", "clip_eps_high"):
+            if side not in given:  # an explicit symmetric clip_eps beats the recipe's two sides
+                setattr(self, side, self.clip_eps if "clip_eps" in given else preset.get(side, self.clip_eps))
 

@@ -22,7 +22,7 @@ from pipeline.config.model import ModelConfig
 from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import RunConfig
 from pipeline.config.task import TaskConfig
-from pipeline.config.trainer import TrainerConfig
+from pipeline.config.trainer import RECIPES, TrainerConfig
 from pipeline.config.weight_sync import WeightSyncConfig
 
 
@@ -40,6 +40,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        self._resolve_recipe()
         check(self.trainer.device != "cuda" or self.generator.engine == "vllm", "generator.engine",
               self.generator.engine, "'vllm' when trainer.device='cuda'")
         g = self.generator
@@ -100,6 +101,19 @@ class Config:
             check(r.allow_shared_devices or not both, "generator.devices", g.devices,
                   f"GPUs not in trainer.devices={t.devices!r} ({format_ids(both)} in both), "
                   "or run.allow_shared_devices=true")
+
+    def _resolve_recipe(self) -> None:
+        """The loss recipe's parts outside trainer.*: buffer.normalize_std (unless set), and dapo's
+        overlong_buffer (a fifth of generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
+        t, b = self.trainer, self.buffer
+        preset = RECIPES[t.recipe]
+        if not getattr(b, "std_explicit", True):
+            b.normalize_std = preset.get("normalize_std", True)
+        if t.overlong_buffer is None:
+            t.overlong_buffer = max(1, self.generator.max_new_tokens // 5)
+        check(t.overlong_buffer < self.generator.max_new_tokens or t.overlong_buffer == 0, "trainer.overlong_buffer",
+              t.overlong_buffer, f"below generator.max_new_tokens={self.generator.max_new_tokens} (the penalty "
+              "ramps over the budget's last overlong_buffer tokens), or 0 (off)")
 
 
 def sync_mode_config(cfg: Config) -> Config:
