@@ -2,6 +2,7 @@
 
     become_subreaper()                     # main(): orphans of the run's processes re-parent here
     sweep_segments()                       # at start: unlink /dev/shm segments of dead runs
+    sweep_dead_weight_sync()               # a proc died: unlink its mrl-ws-* segments nobody maps
     summary = run_until_signalled(run(cfg), grace_s=120)  # a signal: shutdown, then Interrupted
     stop_tree()                            # at exit: SIGKILL what is left of our tree, unlink its segments
     exit_with_parent()                     # in vLLM's engine core: die with the generator proc
@@ -265,6 +266,17 @@ def sweep_segments(min_age_s: float = MIN_AGE_S, names: Iterable[str] | None = N
             except FileNotFoundError:
                 pass
     return _unlink_unused(candidates) + _sweep_lora_dirs()
+
+
+def sweep_dead_weight_sync() -> list[str]:
+    """Unlink the weight-sync segments (`mrl-ws-*`) whose creator died and that nobody maps any more:
+    what a trainer proc killed hard leaves (its packed slots), removed by the surviving driver as
+    soon as it learns of the death and again on its way out, not at the next run's start."""
+    try:
+        names = [n for n in _own_segments() if n.startswith(WS_PREFIX)]
+    except FileNotFoundError:
+        return []
+    return sweep_segments(names=names)
 
 
 def held_by(pids: Iterable[int]) -> set[str]:

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return cleanup.exit_code(e)
     finally:
         left = cleanup.stop_tree()  # under torchrun: this rank's Monarch worker; else what a shutdown missed
-        cleanup.sweep_segments(names=[])  # LoRA adapter directories of generators that are gone now
+        cleanup.sweep_dead_weight_sync()  # a killed trainer's packed slots; LoRA directories of dead generators
         if left:
             log.info("stopped %d processes still running after the shutdown: %s", len(left), left)
 

@@ -72,6 +72,19 @@ class GeneratorConfig:
     call_timeout_s: float = 120.0
     """Seconds a generator's call to the buffer (admit beyond its wait, add, release) or to its own engine's
     control (pause, resume, version label) may take before it fails (> 0)."""
+    hang_timeout_s: float = 6.0
+    """Liveness from progress: seconds an engine with work (requests in flight and not paused, or a
+    pause / resume / abort / label call outstanding) may go without progress (a step's outputs, or the
+    call's answer) before its generator counts as hung and is restarted like a crashed one (its groups
+    requeued); a whole generator proc that leaves the supervisor's probe unanswered for twice this is
+    hung too. The bound is this plus generator.hang_s_per_token for every prompt token not prefilled
+    yet (one CPU prefill step of a long prompt sends nothing), and never under 4x the slowest gap
+    between outputs seen lately (a loaded machine's slow steps). Why 6 s: a decode step takes
+    milliseconds to a second on CPU, so 6 s finds a stopped engine core within ~10 s (the default job),
+    not at generator.call_timeout_s. 0 turns the check off (>= 0)."""
+    hang_s_per_token: float = 0.005
+    """Seconds the hang bound grants per prompt token still waiting for its prefill (see
+    generator.hang_timeout_s): about CPU prefill speed of a ~1B model on a few loaded cores (>= 0)."""
 
     def __post_init__(self) -> None:
         check(1 <= self.num_generators <= 64, "generator.num_generators", self.num_generators, "1..64")
@@ -97,6 +110,8 @@ class GeneratorConfig:
         check(0 <= self.max_restarts <= 1000, "generator.max_restarts", self.max_restarts, "0..1000")
         check(self.health_timeout_s > 0, "generator.health_timeout_s", self.health_timeout_s, "> 0")
         check(self.call_timeout_s > 0, "generator.call_timeout_s", self.call_timeout_s, "> 0")
+        check(self.hang_timeout_s >= 0, "generator.hang_timeout_s", self.hang_timeout_s, ">= 0")
+        check(self.hang_s_per_token >= 0, "generator.hang_s_per_token", self.hang_s_per_token, ">= 0")
         # A partial saved at a stage end resumes under newer weights, so drain's one-version promise breaks.
         check(not (self.on_update == "drain" and self.carry_over == "save"), "generator.carry_over",
               self.carry_over, "'keep' when generator.on_update='drain'")

@@ -11,8 +11,10 @@ Failures come in through ONE queue of (slot, incarnation, cause), fed by:
   * the weight sync's failure callback (a member that failed its part of a push; None: the push);
   * a long-held `watch` call per generator, which returns the failure text when it breaks;
   * a slow probe (every PROBE_PERIOD_S with nothing else to do) for what reports nothing: a hung
-    actor (no answer within generator.health_timeout_s three times in a row) and, on one host, a
-    dead proc. Its answers are cached on the slot (`slot.stats`): the train loop's per-generator
+    actor (no answer for 2 x generator.hang_timeout_s, each probe waiting at most that long; with
+    hang_timeout_s=0, no answer within generator.health_timeout_s three times in a row) and, on one
+    host, a dead proc. A hung engine inside a live actor is the actor's own to find (its liveness
+    check, pipeline/generator/engine.py): it breaks and its watch reports it. Its answers are cached on the slot (`slot.stats`): the train loop's per-generator
     metrics read them instead of asking every generator at every step.
 A report about an incarnation other than the slot's current one is stale and dropped. Every slot
 is restarted by the same algorithm (`_restart`): count it against its budget (generator.max_restarts,
@@ -37,6 +39,7 @@ from typing import Any
 
 import monarch.actor
 
+from pipeline import cleanup
 from pipeline.config import Config
 from pipeline.driver.calls import RunError
 from pipeline.driver.fleet import Fleet, MeshSlot
@@ -59,6 +62,7 @@ class Supervisor:
         self._restarting: dict[str, asyncio.Task] = {}
         self._watches: dict[str, asyncio.Task] = {}
         self._slow: dict[str, int] = {}  # probe timeouts in a row, by slot name
+        self._unanswered: dict[str, float] = {}  # when the first of those probes was sent, by slot name
 
     def budget(self, slot: MeshSlot) -> tuple[int, str]:
         if slot is self.fleet.reward_model:
@@ -111,7 +115,9 @@ class Supervisor:
     async def probe(self) -> dict[MeshSlot, str]:
         """Ask every live slot for its stats (cached on the slot): a dead actor fails at once, a
         dead engine reports an error, a slow one times out (HUNG_AFTER in a row count as hung)."""
-        t = self.cfg.generator.health_timeout_s
+        g = self.cfg.generator
+        t = min(g.health_timeout_s, g.hang_timeout_s) if g.hang_timeout_s > 0 else g.health_timeout_s
+        now = time.monotonic()
         failed, asked = {}, []
         for slot in self.fleet.slots():
             if not slot.live:
@@ -125,10 +131,15 @@ class Supervisor:
         for slot, r in zip(asked, res):
             if isinstance(r, asyncio.TimeoutError):
                 self._slow[slot.name] = self._slow.get(slot.name, 0) + 1
-                if self._slow[slot.name] >= HUNG_AFTER:
+                since = self._unanswered.setdefault(slot.name, now)
+                if g.hang_timeout_s > 0 and time.monotonic() - since >= 2 * g.hang_timeout_s:
+                    failed[slot] = (f"hung: its proc left the health probe unanswered for "
+                                    f"{time.monotonic() - since:.1f}s (2 x generator.hang_timeout_s)")
+                elif g.hang_timeout_s <= 0 and self._slow[slot.name] >= HUNG_AFTER:
                     failed[slot] = f"no health answer within {t:.0f}s three times in a row (generator.health_timeout_s)"
                 continue
             self._slow.pop(slot.name, None)
+            self._unanswered.pop(slot.name, None)
             if isinstance(r, BaseException):
                 failed[slot] = f"{type(r).__name__}: {r}"
                 continue
@@ -156,6 +167,9 @@ class Supervisor:
                     failed = [(s, s.incarnation, c) for s, c in (await self.probe()).items()]
                 for slot, inc, cause in failed:
                     if slot is None:
+                        await asyncio.sleep(0.5)  # a killed proc's segments are unmapped once it is reaped
+                        if gone := cleanup.sweep_dead_weight_sync():
+                            log.warning("removed the weight-sync segments the failed mesh left: %s", " ".join(gone))
                         raise RunError(f"a trainer or buffer mesh failed: {cause}")
                     if inc == slot.incarnation and slot.name not in self._restarting:
                         self._start_restart(slot, cause)
@@ -172,6 +186,7 @@ class Supervisor:
         if slot.incarnation >= limit:
             raise RunError(f"{slot.label} failed and has used its {limit} restarts ({key}): {cause}")
         self._slow.pop(slot.name, None)
+        self._unanswered.pop(slot.name, None)
         slot.incarnation += 1  # from here on, reports about the old incarnation are stale
         task = asyncio.create_task(self._restart(slot, cause), name=f"restart-{slot.name}")
         self._restarting[slot.name] = task

@@ -219,6 +219,7 @@ class GeneratorCore:
         s.update(generator_id=self.gid, version=self.version, in_flight=c["running"], sending=self.episodes.sending,
                  in_engine=len(self.engine.requests), pending=c["pending"], carried=c["carried"],
                  admitting=self.scheduler.running, error=str(self.fault.error) if self.fault.tripped else None,
+                 **self.engine.liveness(),
                  reward_model=self.episodes.rm.snapshot() if self.episodes.rm is not None else None)
         return s
 

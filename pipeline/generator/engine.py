@@ -13,6 +13,13 @@ Contract:
     from here. Eval requests are not in it.
   * `reload` loads an HF export into the idle engine in place (the warm start's chunks, before any
     stage), its version label unchanged.
+  * Liveness from progress (`Liveness`): while the engine has work (requests in the core and not
+    paused, or a watched control call outstanding) it must show progress (a step's outputs, or the
+    call's answer) within `Liveness.bound()`: generator.hang_timeout_s, plus generator.hang_s_per_token
+    per prompt token not prefilled yet, never under 4x the slowest recent gap between outputs.
+    Past it the engine is hung: the Fault is tripped with the evidence (a restart, like a crash), and
+    every control call outstanding fails at once. The weight load itself is not watched (its bound is
+    weight_sync.timeout_s): the core answers nothing while it loads.
   * `stop` forgets the core's death first (the stop kills it), then kills core and worker outright
     (`stop_engine`) and removes this engine's adapter directory.
 
@@ -49,7 +56,112 @@ log = logging.getLogger(__name__)
 WARM_LORA_ID = 1_000_000_000
 """LoRARequest ids of the adapters `reload` adds: clear of every version's id (version + 1)."""
 
-__all__ = ["Engine", "Fault", "GeneratorBroken", "engine_args", "stop_engine"]
+__all__ = ["Engine", "Fault", "GeneratorBroken", "Liveness", "engine_args", "hang_bound", "stop_engine"]
+
+SLOW_GAP_FACTOR = 4.0  # the bound is never under this many times the slowest recent gap between outputs
+
+
+def hang_bound(base_s: float, s_per_token: float, pending_prefill_tokens: int, slowest_gap_s: float = 0.0) -> float:
+    """Seconds an engine with work may go without progress before it counts as hung: `base_s`, plus
+    `s_per_token` for every prompt token still waiting for its prefill (one CPU step prefills a whole
+    prompt and sends nothing before it ends), and never under SLOW_GAP_FACTOR x the slowest gap
+    between outputs seen lately (a loaded machine's steps are slow, not hung)."""
+    return max(base_s + s_per_token * max(pending_prefill_tokens, 0), SLOW_GAP_FACTOR * slowest_gap_s)
+
+
+class Liveness:
+    """What an engine core is doing, as its client sees it, and when it last showed progress.
+
+    Fed by the engine's client (Engine._instrument): `added` (a request entered the core with its
+    prompt tokens), `outputs` (a step's outputs: progress; a request's first output ends its
+    prefill, a finished one leaves), `removed` (aborted), `paused` / `resumed`, and `call_began` /
+    `call_ended` around a watched control call (its answer is progress). `hung(now)` is the
+    evidence when the engine has work and no progress within `bound()`, else None. Pure logic: the
+    clock is passed in.
+
+    Example:
+        live = Liveness(6.0, 0.005, now=0.0)
+        live.added("r1", 400, now=0.0)            # bound 6 + 2 s while its prefill is pending
+        live.hung(7.0)                            # None
+        live.hung(9.0)                            # "no progress for 9.0s ..."
+    """
+
+    GAPS = 64  # the slowest of the last GAPS gaps between outputs raises the bound
+
+    def __init__(self, base_s: float, s_per_token: float, now: float):
+        self.base_s, self.s_per_token = base_s, s_per_token
+        self.in_core: set[str] = set()
+        self.prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first output
+        self.is_paused = False
+        self.calls: dict[int, str] = {}  # watched control calls outstanding: id -> what
+        self.last = now
+        self.gaps: list[float] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.calls) or (bool(self.in_core) and not self.is_paused)
+
+    def _work(self, now: float) -> None:
+        if not self.busy:  # work begins: the clock starts now, not at the last output
+            self.last = now
+
+    def _progress(self, now: float) -> None:
+        if self.busy:
+            self.gaps = [*self.gaps[-(self.GAPS - 1):], now - self.last]
+        self.last = now
+
+    def added(self, rid: str, prompt_tokens: int, now: float) -> None:
+        self._work(now)
+        self.in_core.add(rid)
+        self.prefill[rid] = prompt_tokens
+
+    def outputs(self, outs, now: float) -> None:
+        """A step's EngineCoreOutputs (each with request_id and finished)."""
+        if outs:
+            self._progress(now)
+        for o in outs:
+            self.prefill.pop(o.request_id, None)
+            if o.finished:
+                self.in_core.discard(o.request_id)
+
+    def removed(self, rids, now: float) -> None:
+        for rid in rids:
+            self.in_core.discard(rid)
+            self.prefill.pop(rid, None)
+
+    def paused(self, now: float) -> None:
+        self.is_paused = True
+
+    def resumed(self, now: float) -> None:
+        self._work(now)
+        self.is_paused = False
+
+    def call_began(self, key: int, what: str, now: float) -> None:
+        self._work(now)
+        self.calls[key] = what
+
+    def call_ended(self, key: int, now: float, answered: bool) -> None:
+        self.calls.pop(key, None)
+        if answered:
+            self.last = now
+
+    def bound(self) -> float:
+        return hang_bound(self.base_s, self.s_per_token, sum(self.prefill.values()), max(self.gaps, default=0.0))
+
+    def hung(self, now: float) -> str | None:
+        """The evidence that the engine is hung, or None (no work, progress within the bound, or off)."""
+        if self.base_s <= 0 or not self.busy:
+            return None
+        age, bound = now - self.last, self.bound()
+        if age <= bound:
+            return None
+        pending = sum(self.prefill.values())
+        calls = ", ".join(sorted(set(self.calls.values()))) or "none"
+        return (f"the vLLM engine is hung: no progress for {age:.1f}s (bound {bound:.1f}s: "
+                f"generator.hang_timeout_s={self.base_s:g} + {pending} prompt tokens awaiting prefill x "
+                f"generator.hang_s_per_token={self.s_per_token:g}, slowest recent gap "
+                f"{max(self.gaps, default=0.0):.2f}s); {len(self.in_core)} requests in the engine"
+                f"{' (paused)' if self.is_paused else ''}, control calls outstanding: {calls}")
 
 
 class GeneratorBroken(RuntimeError):
@@ -191,6 +303,10 @@ class Engine:
         self._died: asyncio.Future | None = None  # resolved when an engine core process exits
         self._watched: list[int] = []  # our own copies of the core processes' sentinels
         self._reloads = 0  # `reload` calls (the warm start's), naming their adapters
+        self.live: Liveness | None = None  # the engine's progress (generator.hang_timeout_s)
+        self._hung: asyncio.Future | None = None  # resolved when the liveness check finds it hung
+        self._watchdog: asyncio.Task | None = None
+        self._calls = 0  # ids of watched control calls
 
     async def start(self, extra_engine_kwargs: dict | None, version: int) -> dict:
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -207,6 +323,7 @@ class Engine:
             raise TimeoutError(f"generator {self.gid}: vLLM engine did not start within "
                                f"{self.g.start_timeout_s:.0f}s (generator.start_timeout_s)") from None
         self._watch_cores()
+        self._instrument()
         if self.cfg.trainer.lora.rank:
             await self._start_lora(hf_dir, version)
         await self.llm.update_weight_version(str(version))
@@ -223,6 +340,64 @@ class Engine:
             fd = os.dup(p.sentinel)
             self._watched.append(fd)
             loop.add_reader(fd, self._core_died, p)
+
+    def _instrument(self) -> None:
+        """Feed `live` from the engine's client: every request entering the core, every step's outputs,
+        aborts, pauses and resumes (wrappers on this client instance; vLLM's output handler looks its
+        methods up at every step). Then start the check, twice a second."""
+        core, clock = self.llm.engine_core, time.monotonic
+        live = self.live = Liveness(self.g.hang_timeout_s, self.g.hang_s_per_token, clock())
+        add, get, abort = core.add_request_async, core.get_output_async, core.abort_requests_async
+        pause, resume = core.pause_scheduler_async, core.resume_scheduler_async
+
+        async def add_request_async(request):
+            live.added(request.request_id, len(request.prompt_token_ids or ()), clock())
+            return await add(request)
+
+        async def get_output_async():
+            outs = await get()
+            live.outputs(outs.outputs, clock())
+            return outs
+
+        async def abort_requests_async(request_ids):
+            live.removed(request_ids, clock())
+            return await abort(request_ids)
+
+        async def pause_scheduler_async(*args, **kwargs):
+            out = await pause(*args, **kwargs)
+            live.paused(clock())
+            return out
+
+        async def resume_scheduler_async(*args, **kwargs):
+            live.resumed(clock())  # before: a resume that never answers is watched from its call
+            return await resume(*args, **kwargs)
+
+        core.add_request_async, core.get_output_async = add_request_async, get_output_async
+        core.abort_requests_async = abort_requests_async
+        core.pause_scheduler_async, core.resume_scheduler_async = pause_scheduler_async, resume_scheduler_async
+        self._hung = asyncio.get_running_loop().create_future()
+        if self.g.hang_timeout_s > 0:
+            self._watchdog = asyncio.create_task(self._check_liveness(), name=f"liveness-g{self.gid}")
+
+    async def _check_liveness(self) -> None:
+        period = min(0.5, self.g.hang_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if self.fault.tripped:
+                return
+            if (why := self.live.hung(time.monotonic())) is not None:
+                if not self._hung.done():
+                    self._hung.set_result(why)
+                self.fault.trip(RuntimeError(f"generator {self.gid}: {why}"))
+                return
+
+    def liveness(self) -> dict:
+        """progress_age_s (seconds since the engine last showed progress, 0 without work) and
+        hang_bound_s (the bound it must show progress within now), for stats."""
+        live = self.live
+        if live is None:
+            return {"progress_age_s": 0.0, "hang_bound_s": self.g.hang_timeout_s}
+        return {"progress_age_s": time.monotonic() - live.last if live.busy else 0.0, "hang_bound_s": live.bound()}
 
     def _unwatch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -243,13 +418,26 @@ class Engine:
         a call never returns)."""
         call = asyncio.ensure_future(aw)
         timeout_s = self.g.call_timeout_s if timeout_s is None else timeout_s
-        await asyncio.wait({call, self._died}, timeout=None if math.isinf(timeout_s) else timeout_s,
-                           return_when=asyncio.FIRST_COMPLETED)
+        # a call the core answers between steps is watched for progress (generator.hang_timeout_s);
+        # the weight load and other weight_sync.timeout_s calls keep the core busy: their own bound
+        watched = self.live is not None and key != "weight_sync.timeout_s"
+        self._calls += 1
+        cid = self._calls
+        if watched:
+            self.live.call_began(cid, what, time.monotonic())
+        try:
+            await asyncio.wait({call, self._died, self._hung}, timeout=None if math.isinf(timeout_s) else timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if watched:
+                self.live.call_ended(cid, time.monotonic(), call.done())
         if call.done():
             return call.result()
         call.cancel()
         if self._died.done():
             raise GeneratorBroken(f"generator {self.gid}: engine {what}: the vLLM engine core died")
+        if self._hung.done():
+            raise GeneratorBroken(f"generator {self.gid}: engine {what}: {self._hung.result()}")
         raise TimeoutError(f"generator {self.gid}: engine {what} did not answer within {timeout_s:.0f}s ({key})")
 
     async def abort_requests(self) -> None:
@@ -315,6 +503,9 @@ class Engine:
             await load_export(self.llm, hf_dir, version, timeout_s)
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self.llm is not None:
             self._unwatch()  # the stop kills the core: not a death to report
             llm, self.llm = self.llm, None

@@ -1,0 +1,90 @@
+"""Liveness from progress (pipeline/generator/engine.py: hang_bound, Liveness): the pure bound logic,
+on a fake clock. A stopped engine is found within its bound; a slow one that keeps progressing, a
+long prefill and a paused engine are left alone. The real engine's side is in tests/test_generator.py
+(test_a_stopped_engine_core_is_found_hung_within_its_bound).
+
+    .venv/bin/python -m pytest -q tests/test_liveness.py
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pipeline.generator.engine import SLOW_GAP_FACTOR, Liveness, hang_bound
+
+
+def out(rid: str, finished: bool = False):
+    return SimpleNamespace(request_id=rid, finished=finished)
+
+
+def test_bound_grows_with_pending_prefill_and_slow_steps():
+    assert hang_bound(6.0, 0.005, 0) == 6.0
+    assert hang_bound(6.0, 0.005, 4000) == 26.0  # a prompt near max_model_len=4096 on CPU
+    assert hang_bound(6.0, 0.005, 0, slowest_gap_s=3.0) == SLOW_GAP_FACTOR * 3.0  # a loaded machine
+    assert hang_bound(6.0, 0.005, -5) == 6.0
+
+
+def test_no_work_is_never_hung_and_work_starts_the_clock():
+    live = Liveness(6.0, 0.005, now=0.0)
+    assert live.hung(1000.0) is None  # idle for long: nothing expected of it
+    live.added("a", 10, now=1000.0)  # the clock starts at the submission, not at the last output
+    assert live.hung(1006.0) is None
+    why = live.hung(1006.2)
+    assert why is not None and "no progress for 6.2s" in why and "1 requests in the engine" in why
+
+
+def test_a_stopped_engine_is_found_within_its_bound():
+    live = Liveness(6.0, 0.005, now=0.0)
+    for i in range(32):
+        live.added(f"r{i}", 15, now=0.0)
+    t = 0.0
+    for _ in range(100):  # decoding: outputs every 20 ms
+        t += 0.02
+        live.outputs([out(f"r{i}") for i in range(32)], now=t)
+    assert live.hung(t + 5.9) is None
+    live.added("late", 20, now=t)  # admitted just before the stop: its prefill is pending
+    assert abs(live.bound() - (6.0 + 20 * 0.005)) < 1e-9
+    why = live.hung(t + 6.2)
+    assert why is not None and "33 requests" in why and "20 prompt tokens awaiting prefill" in why
+
+
+def test_a_slow_but_progressing_engine_is_left_alone():
+    live = Liveness(6.0, 0.005, now=0.0)
+    live.added("long", 4000, now=0.0)  # a prompt near max_model_len: one 18 s prefill step on CPU
+    assert live.hung(18.0) is None  # bound 6 + 4000 x 0.005 = 26 s
+    live.outputs([out("long")], now=18.0)  # its first token: the prefill is done
+    t = 18.0
+    for _ in range(20):  # a loaded machine: a decode step every 5 s, slower than the base bound
+        assert live.hung(t + 5.0) is None
+        t += 5.0
+        live.outputs([out("long")], now=t)
+    assert live.bound() >= SLOW_GAP_FACTOR * 5.0
+    assert live.hung(t + 19.0) is None
+    assert live.hung(t + 4 * 18.0 + 1) is not None  # the slowest gap (the 18 s prefill) x 4, then hung
+
+
+def test_paused_requests_wait_but_a_control_call_must_be_answered():
+    live = Liveness(6.0, 0.005, now=0.0)
+    live.added("a", 10, now=0.0)
+    live.call_began(1, "pause", now=1.0)
+    live.call_ended(1, now=1.1, answered=True)
+    live.paused(now=1.1)
+    assert live.hung(100.0) is None  # paused for a long weight load: the load has its own bound
+    live.resumed(now=100.0)
+    assert live.hung(105.0) is None
+    assert live.hung(106.5) is not None  # resumed, then no step came: hung
+    assert live.hung(100.5) is None
+    live.outputs([out("a", finished=True)], now=101.0)
+    assert not live.busy and live.hung(500.0) is None
+    live.call_began(2, "pause", now=500.0)  # a call to a stopped core: found within the bound
+    assert live.hung(506.5) is not None and "pause" in live.hung(506.5)
+
+
+def test_aborted_requests_leave_and_zero_turns_it_off():
+    live = Liveness(6.0, 0.005, now=0.0)
+    live.added("a", 10, now=0.0)
+    live.removed(["a"], now=1.0)
+    assert live.hung(60.0) is None
+    off = Liveness(0.0, 0.005, now=0.0)
+    off.added("a", 10, now=0.0)
+    assert off.hung(1e6) is None
