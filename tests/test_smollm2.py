@@ -59,3 +59,23 @@ def test_dequantized_checkpoint_computes_what_transformers_reads_from_the_gguf()
                                   return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_trainer_computes_the_real_checkpoints_logits_as_transformers_does():
+    """The torchtitan model the trainer builds from the real folder (llama family, tied embeddings,
+    30 layers) gives HF transformers' fp32 logits on a chat prompt."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from pipeline.model import build_model
+    from pipeline.models.smollm2 import ensure_smollm2
+
+    hf_dir = ensure_smollm2(REPO / ".cache" / "smollm2")
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 17 + 25? Put the final answer in \\boxed{}."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    hf = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model, _ = build_model(hf_dir)
+    with torch.no_grad():
+        ours, ref = model(ids).float(), hf(ids).logits.float()
+    torch.testing.assert_close(ours, ref, rtol=0, atol=2e-4)
+    assert torch.equal(ours[0, -1].argmax(), ref[0, -1].argmax())
