@@ -458,3 +458,40 @@ def test_watch_returns_once_the_idle_engine_core_dies(env):
 
     text, took = loop.run_until_complete(go())
     assert "died" in text, (text, took)  # the death notice, not the 30 s wait, ended the watch
+
+
+def test_a_stopped_engine_core_is_found_hung_within_its_bound(env):
+    """Liveness from progress (generator.hang_timeout_s) on the real engine, both sides: with requests
+    in flight, a stall shorter than the bound (SIGSTOP, then SIGCONT after 3 s: a slow engine) is left
+    alone; a core stopped for good is found hung within its bound, the watch returning the evidence.
+    Breaks the generator: runs after the kill tests above, so in a whole-file run their kill leaves no
+    core and it is skipped; run it alone: pytest tests/test_generator.py -k stopped_engine_core."""
+    loop, gen, src, _ = env
+    cores = [p for p, _ in descendants(os.getpid()) if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    if not cores or loop.run_until_complete(gen.stats.call_one())["error"]:
+        pytest.skip("the engine was killed by an earlier test of this module; run this test alone")
+    base = make_cfg().generator.hang_timeout_s
+
+    async def go() -> tuple[dict, str, float]:
+        watch = asyncio.ensure_future(gen.watch.call_one())
+        await src.feed.call_one(prompts(200, seed=5))
+        await gen.start_generation.call_one(src)
+        await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
+        os.kill(cores[0], signal.SIGSTOP)  # a slow engine: a 3 s stall, under the bound
+        await asyncio.sleep(3.0)
+        os.kill(cores[0], signal.SIGCONT)
+        await asyncio.sleep(base + 2.0)
+        slow = await gen.stats.call_one()
+        assert not watch.done() and slow["error"] is None, slow["error"]
+        os.kill(cores[0], signal.SIGSTOP)  # hung for good
+        t0 = time.monotonic()
+        try:
+            text = await asyncio.wait_for(watch, 60)
+        finally:
+            os.kill(cores[0], signal.SIGCONT)
+        return slow, text, time.monotonic() - t0
+
+    slow, text, took = loop.run_until_complete(go())
+    print(f"stopped engine core found hung after {took:.1f}s: {text}")
+    assert "hung" in text and "requests in the engine" in text, text
+    assert took <= slow["hang_bound_s"] + 2.0, (took, slow["hang_bound_s"])

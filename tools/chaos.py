@@ -3,10 +3,12 @@
     python tools/chaos.py                                  # default job (800 steps), 2 generators, 6 kills
     python tools/chaos.py --kills 5 --generators 1 --steps 120 key=value ...
     python tools/chaos.py --quick                          # a short version (what the test runs)
+    python tools/chaos.py --stop --kills 2 --generators 1 --steps 120   # hangs (SIGSTOP) instead of deaths
 
 Starts `python -m pipeline.run` on configs/tiny.yaml and, once training is under way, SIGKILLs at
 random moments a generator's vLLM engine core, then a whole generator proc (alternating), waiting for
-each recovery before the next kill. Per kill it prints the detection and recovery seconds (from
+each recovery before the next kill. With --stop the signal is SIGSTOP: the process hangs instead of
+dying, which the generator's liveness check (generator.hang_timeout_s) must find. Per kill it prints the detection and recovery seconds (from
 the run's out_dir/faults.jsonl, against the kill's wall time). At the end it checks that the run
 completed every step with exit 0, that the buffer's accounting identity holds, that no admitted
 group was lost (each was trained, dropped as stale, or requeued and then trained: no group was
@@ -94,6 +96,7 @@ def main() -> int:
     ap.add_argument("--gap", type=float, nargs=2, default=(3.0, 12.0), help="seconds between a recovery and the next kill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out/chaos")
+    ap.add_argument("--stop", action="store_true", help="SIGSTOP (a hang) instead of SIGKILL (a death)")
     ap.add_argument("--quick", action="store_true", help="2 kills of the only generator, 60 steps (the test)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -132,8 +135,9 @@ def main() -> int:
             victim = core if kind == "engine core" else parent(core)
             before = len(rows(faults_path))
             killed_at = time.time()
-            os.kill(victim, signal.SIGKILL)
-            print(f"[chaos] kill {k + 1}/{args.kills}: SIGKILL {kind} pid {victim}", flush=True)
+            sig = signal.SIGSTOP if args.stop else signal.SIGKILL
+            os.kill(victim, sig)
+            print(f"[chaos] kill {k + 1}/{args.kills}: {sig.name} {kind} pid {victim}", flush=True)
             try:
                 event = wait_for(lambda: rows(faults_path)[before:], 600, f"recovery from kill {k + 1}", proc)[0]
             except RuntimeError as e:  # the run ended first: with several generators, training goes on
