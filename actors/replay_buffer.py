@@ -42,7 +42,7 @@ import time
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from pipeline import logs
-from pipeline.buffer import ReplayBufferCore
+from pipeline.buffer import ReplayBufferCore, overlong_shaping
 from pipeline.config import Config
 from pipeline.placement import apply, buffer_placement
 from pipeline.tasks import PromptStream, load_task
@@ -57,7 +57,7 @@ class ReplayBufferActor(Actor):
     def __init__(self, cfg: Config, pad_id: int):
         logs.configure(cfg.run.log_level)
         self.cfg = cfg
-        self.core = ReplayBufferCore(cfg.buffer, pad_id)
+        self.core = ReplayBufferCore(cfg.buffer, pad_id, overlong_shaping(cfg))
         self.prompts = PromptStream(load_task(cfg.task.name, cfg.task), cfg.task.seed, epochs=cfg.run.epochs)
         self.exhausted = False  # the stream ended (run.epochs): no new prompts
         self.changed = asyncio.Condition()

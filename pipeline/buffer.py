@@ -116,12 +116,29 @@ def _staleness(r: Rollout, version: int) -> int:
     return 0 if oldest is None else version - oldest
 
 
+def overlong_penalty(length: int, budget: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment, added to a response's reward: 0 up to budget − buffer tokens,
+    then falling linearly to −penalty at the budget (and −penalty beyond it); 0 when buffer is 0."""
+    if buffer <= 0 or length <= budget - buffer:
+        return 0.0
+    return -penalty if length > budget else penalty * ((budget - buffer) - length) / buffer
+
+
+def overlong_shaping(cfg) -> tuple[int, int, float]:
+    """ReplayBufferCore's `overlong` from a whole Config (trainer.overlong_* and generator.max_new_tokens)."""
+    return cfg.generator.max_new_tokens, cfg.trainer.overlong_buffer, cfg.trainer.overlong_penalty
+
+
 class ReplayBufferCore:
-    def __init__(self, cfg: BufferConfig, pad_id: int):
+    def __init__(self, cfg: BufferConfig, pad_id: int, overlong: tuple[int, int, float] = (0, 0, 1.0)):
+        """`overlong` = (generator.max_new_tokens, trainer.overlong_buffer, trainer.overlong_penalty): the
+        rewards that go into the group advantages get `overlong_penalty` (buffer 0: off)."""
         if cfg.zero_signal == "drop" and cfg.group_size == 1:
             raise ValueError("buffer: zero_signal='drop' with group_size=1 drops every group "
                              "(one sample never has a reward spread); use zero_signal='keep'")
         self.cfg, self.pad_id = cfg, pad_id
+        self.overlong = overlong
+        self.overlong_shaped = 0  # samples whose reward the overlong penalty lowered
         self.delta_ctl = DeltaController(cfg)
         # the evidence is in samples: a flat group of 2 says less than one of 16
         self.difficulty = DifficultyFilter(-(-cfg.set_aside_samples // cfg.group_size), cfg.retry_after)
@@ -305,6 +322,13 @@ class ReplayBufferCore:
         self._lease.pop(g.group.group_id, None)
         rewards = [g.samples[i].reward for i in range(self.cfg.group_size)]
         self.difficulty.observe(g.group.item.prompt, rewards, self.version)
+        max_new, buf, pen = self.overlong
+        if buf > 0:  # DAPO's overlong shaping, over the prompt's own budget when it has one
+            budget = min(g.group.item.max_new_tokens or max_new, max_new)
+            shaping = [overlong_penalty(g.samples[i].num_model_tokens, budget, buf, pen)
+                       for i in range(self.cfg.group_size)]
+            self.overlong_shaped += sum(1 for x in shaping if x < 0)
+            rewards = [r + x for r, x in zip(rewards, shaping)]
         if max(rewards) == min(rewards):
             self.zero_signal_groups += 1
             if self.cfg.zero_signal == "drop":
@@ -376,7 +400,8 @@ class ReplayBufferCore:
         return Batch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=logprobs,
                      versions=versions, advantages=torch.tensor([a for _, a, _ in samples], dtype=torch.float32),
                      rewards=torch.tensor([r.reward for r, _, _ in samples], dtype=torch.float32),
-                     group_ids=tuple(gid for _, _, gid in samples), trainer_version=self.version)
+                     group_ids=tuple(gid for _, _, gid in samples), trainer_version=self.version,
+                     truncated=torch.tensor([r.finish_reason == "length" for r, _, _ in samples], dtype=torch.bool))
 
     def skip_batch(self, group_ids: Iterable[int]) -> int:
         """The trainer skipped the step of the last batch taken (non-finite loss or gradient, no loss
@@ -436,6 +461,7 @@ class ReplayBufferCore:
             "dropped_groups": dict(self.dropped_groups),
             "dropped_samples_by_reason": {k: v * G for k, v in self.dropped_groups.items()},
             "rejected": dict(self.rejected), "late_rollouts": self.late_rollouts, "wasted_tokens": self.wasted_tokens,
+            "overlong_shaped_samples": self.overlong_shaped,
             "requeued_groups": self.requeued_groups, "requeued_waiting": len(self._requeued),
             "retried_prompts": self.retried_prompts, "retry_waiting": len(self._retry),
             "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups,

@@ -132,6 +132,7 @@ class Batch:
     rewards: torch.Tensor  # [N] float32
     group_ids: tuple[int, ...]
     trainer_version: int  # version the batch was built for (staleness reference)
+    truncated: torch.Tensor | None = None  # [N] bool: the sample hit its length budget (finish_reason 'length')
 
     def __post_init__(self) -> None:
         n, t = self.input_ids.shape if self.input_ids.dim() == 2 else (-1, -1)
@@ -147,6 +148,8 @@ class Batch:
                 raise ValueError(f"Batch: {name} has shape {shape}, expected {(n,)}")
         if len(self.group_ids) != n:
             raise ValueError(f"Batch: {len(self.group_ids)} group_ids for {n} samples")
+        if self.truncated is not None and tuple(self.truncated.shape) != (n,):
+            raise ValueError(f"Batch: truncated has shape {tuple(self.truncated.shape)}, expected {(n,)}")
 
     @property
     def num_samples(self) -> int:

@@ -31,7 +31,7 @@ import math
 import random
 from itertools import count
 
-from pipeline.buffer import ReplayBufferCore
+from pipeline.buffer import ReplayBufferCore, overlong_shaping
 from pipeline.config import Config, sync_mode_config
 from pipeline.sim.costs import Costs
 from pipeline.sim.generator import SimGenerator, SimSample
@@ -117,7 +117,7 @@ class _Sim:
     def __init__(self, cfg: Config, costs: Costs, workload: Workload, reward: RewardCurve, seed: int):
         self.cfg, self.costs, self.workload, self.reward = cfg, costs, workload, reward
         self.rng = random.Random(seed)
-        self.buf = ReplayBufferCore(cfg.buffer, pad_id=0)
+        self.buf = ReplayBufferCore(cfg.buffer, pad_id=0, overlong=overlong_shaping(cfg))
         self.gens = [SimGenerator(i, cfg.generator, costs.generator) for i in range(cfg.generator.num_generators)]
         # rollouts carry at most ~256 tokens each so that batches stay small; real token counts are kept here
         self.scale = max(1, math.ceil(cfg.generator.max_new_tokens / 256))

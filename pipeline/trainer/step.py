@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -148,8 +149,11 @@ class TrainCore:
         docstring). Raises before touching the weights on bad input; a non-finite loss or gradient
         norm raises NonFiniteLossError before that step's update. Returns globally reduced metrics
         (same on every rank); per-step ones are averaged over the batch's optimizer steps."""
-        check_batch(batch, self.vocab_size)
         t = self.tcfg
+        truncated = batch.truncated if batch.truncated is not None else torch.zeros(batch.num_samples, dtype=torch.bool)
+        if t.overlong_filter and bool(truncated.any()):  # DAPO's overlong filtering: no loss tokens
+            batch = dataclasses.replace(batch, loss_mask=batch.loss_mask * (~truncated).float()[:, None])
+        check_batch(batch, self.vocab_size)
         if batch.num_samples < t.minibatches:
             raise BadBatchError(f"trainer: batch has {batch.num_samples} samples, fewer than "
                                 f"trainer.minibatches={t.minibatches}")
@@ -193,6 +197,19 @@ class TrainCore:
             return mean(lambda s: s[key] / max(s["tokens"], 1.0))
 
         mm = losses.finalize_mismatch({k[3:]: v for k, v in once.items() if k.startswith("mm_")})
+        recipe = {"clip_low_frac": frac("clip_low_tokens"), "clip_high_frac": frac("clip_high_tokens"),
+                  "truncated_frac": float(truncated.float().mean()),
+                  "overlong_filtered_frac": float(truncated.float().mean()) if t.overlong_filter else 0.0}
+        if t.weight_form == "cispo":
+            recipe["cispo_clip_frac"] = frac("clip_tokens")
+        if t.ratio_level == "sequence":
+            def seq_stats(s: dict) -> tuple[float, float, float]:
+                n = max(s["seq_ratio_n"], 1.0)
+                m = s["seq_ratio_sum"] / n
+                return m, math.sqrt(max(s["seq_ratio_sq_sum"] / n - m * m, 0.0)), s["seq_clip_seqs"] / n
+            recipe.update({"seq_ratio_mean": mean(lambda s: seq_stats(s)[0]),
+                           "seq_ratio_std": mean(lambda s: seq_stats(s)[1]),
+                           "seq_clip_frac": mean(lambda s: seq_stats(s)[2])})
         entropy, coef = once["entropy_sum"] / max(tok, 1.0), self.entropy_coef
         self.entropy_coef = losses.adapt_entropy_coef(coef, entropy, self.tcfg)  # same on every rank
         return {"loss": mean(lambda s: s["loss"]), "grad_norm": mean(lambda s: s["grad_norm"]),
@@ -201,7 +218,7 @@ class TrainCore:
                 "clip_frac": frac("clip_tokens"), "dual_clip_frac": frac("dual_clip_tokens"),
                 "is_clip_frac": frac("is_clip_tokens"), "kl_ref": frac("kl_sum"),
                 "entropy": entropy, "entropy_coef": coef,
-                "staleness_mean": float(batch.staleness().float().mean()), **mm, **mis,
+                "staleness_mean": float(batch.staleness().float().mean()), **recipe, **mm, **mis,
                 **{f"grad/{k[5:]}": v for k, v in steps[0].items() if k.startswith("grad_var")}}
 
     def _ppo_step(self, batch: Batch, micro: list[tuple[torch.Tensor, float]], den: tuple[float, float],
@@ -225,7 +242,8 @@ class TrainCore:
             loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, batch.advantages[rows].to(self.device),
                                              self.tcfg, ref=ref, denominators=den, entropy=ent,
                                              entropy_coef=self.entropy_coef,
-                                             log_mix=None if prox.log_mix is None else prox.log_mix[rows])
+                                             log_mix=None if prox.log_mix is None else prox.log_mix[rows],
+                                             max_len=self.cfg.generator.max_new_tokens)
             (loss * self.par.dp_world).backward()
             if chunks is not None:
                 chunks.add(self.model)
