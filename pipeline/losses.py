@@ -55,8 +55,14 @@ wherever π_ref has mass, where k1 lowers π_θ wherever it exceeds π_ref; its 
 exceeds 1, k1's x is unbounded. The tokens come from the sampler μ and the KL term takes no importance
 weight, so off-policy the expectations are over μ, not π_θ.
 
+Loss recipes (trainer.recipe; docs/training.md "Loss recipes") set the parts: the clip range is
+[1 − clip_eps_low, 1 + clip_eps_high]; ratio_level=sequence replaces r_t by GSPO's
+s_i = exp(mean_t log r_t) in GSPO-token's form sg(s_i)·exp(logp − sg(logp)) (value s_i, gradient
+s_i·∇logp per token); weight_form=cispo replaces the clipped surrogate by
+sg(clip(r, 1 − ε_low, 1 + ε_high))·A·logp (no dual clip). icepop is mis (default window [0.5, 5]).
+
 Aggregation: token_mean divides Σ ℓ·mask by the token count; seq_mean averages each sequence's
-token mean over sequences. The denominators are arguments so a data-parallel trainer can pass
+token mean over sequences; constant divides Σ ℓ·mask by sequences × max_len (Dr. GRPO). The denominators are arguments so a data-parallel trainer can pass
 *global* counts and get the same loss and gradient as a single rank.
 
 Metrics: is_ess_raw = (Σρ)² / (n·Σρ²) over the n loss tokens, how far μ is from π_old; is_ess, the
