@@ -37,9 +37,10 @@ smollm2: $(STAMP)
 # worker is left with a long one at the end. Most of a test's time is process start-up and imports,
 # which leave a core idle: two workers finish the suite in far less than one.
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) .cache outputs
