@@ -43,17 +43,8 @@ from actors.trainer import Trainer  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.driver.metrics import write_csv  # noqa: E402
 from pipeline.model import model_dir, read_hf_config  # noqa: E402
+from pipeline.trainer.synthetic import synthetic_batch  # noqa: E402,F401  (tools/plan_*.py import it from here)
 from pipeline.types import Batch  # noqa: E402
-
-
-def synthetic_batch(n: int, t: int, prompt_len: int, vocab: int, seed: int) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, vocab, (n, t), generator=g)
-    mask = torch.zeros(n, t)
-    mask[:, prompt_len:] = 1
-    beh = -torch.rand(n, t, generator=g) * 4 * mask
-    adv = torch.randn(n, generator=g)
-    return Batch(ids, mask, beh, torch.where(mask > 0, 0, -1).long(), adv, adv.clone(), tuple(range(n)), 0)
 
 
 async def bench(cfg, ranks: int, args, vocab: int, bar) -> dict:

@@ -14,7 +14,7 @@ from pipeline.config import WeightSyncConfig
 from pipeline.types import WeightVersion
 from pipeline.weightsync import delta as dl
 from pipeline.weightsync import segment as seg
-from pipeline.weightsync.checksum import Checksum, add, of_box
+from pipeline.weightsync.checksum import Checksum
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
 from pipeline.weightsync.plan import BucketPlan
 from pipeline.weightsync.shard_plan import Box, ShardPlan
@@ -159,12 +159,8 @@ class WeightSender:
                                   f"(last packed {self._last_version})")
         slot = self.transport.slots[self._slot_of[version]]
         where = f"trainer rank {self.rank}'s sender slot {self._slot_of[version]}"
-        shape = {e.name: e.shape for e in self.plan.entries}
         seg.check_header(slot.header, version, self.shards.header_hash_int, where)
-        out: dict[str, Checksum] = {}
-        for p, view in self.shards.views(self.rank, slot.data):
-            c = of_box(view, p.start, shape[p.name])
-            out[p.name] = add([out[p.name], c]) if p.name in out else c
+        out = self.shards.checksums(self.rank, slot.data)
         seg.check_header(slot.header, version, self.shards.header_hash_int, where, after_read=True)
         return out
 

@@ -4,6 +4,7 @@ how a receiver assembles the full tensors from the pieces of all ranks.
     full = BucketPlan.from_state_dict(hf_meta, bucket_bytes)          # the assembled layout (plan.py)
     plan = ShardPlan.build(full, holdings)       # holdings[r]: rank r's boxes [(hf name, start, size)]
     plan.pack(r, tensors, flat)                  # rank r: each held box's local tensor into its place
+    shares = plan.checksums(r, flat)             # rank r: its share of each tensor's checksum (checksum.py)
     plan.assemble([flat_0, ..., flat_N-1], out)  # receiver: every piece into the full layout
 
 A box is a rectangular block of one HF tensor: `start` and `size` per dimension (an FSDP2 shard is
@@ -41,6 +42,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from pipeline.weightsync.checksum import Checksum, add, of_box
 from pipeline.weightsync.errors import PlanMismatchError, ShortBufferError
 from pipeline.weightsync.plan import ALIGN, BucketPlan, to_dtype
 
@@ -236,6 +238,16 @@ class ShardPlan:
     def views(self, rank: int, flat: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
         """Each piece rank `rank` sends, as a view of its flat space `flat` (plan dtype, box shape)."""
         return [(p, self._view(flat, p)) for p in self.pieces_of(rank)]
+
+    def checksums(self, rank: int, flat: torch.Tensor) -> dict[str, Checksum]:
+        """Rank `rank`'s share of the checksum of each HF tensor it sends, read from its packed flat
+        space (pipeline/weightsync/checksum.py `of_box`, several boxes of one tensor `add`ed);
+        `checksum.combine` over every rank's shares gives the whole tensors' checksums."""
+        out: dict[str, Checksum] = {}
+        for p, view in self.views(rank, flat):
+            c = of_box(view, p.start, self._entry(p.name).shape)
+            out[p.name] = add([out[p.name], c]) if p.name in out else c
+        return out
 
     def pack(self, rank: int, tensors: Sequence[torch.Tensor], flat: torch.Tensor,
              version: int | None = None) -> int:
