@@ -226,15 +226,19 @@ def pytest_testnodedown(node, error):
 
 
 # ---------------------------------------------------------------- order: the slowest files first
-# Seconds per file in a run of the suite on this 2-core machine (`pytest --durations=0`), rounded; a
-# file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
+# Seconds per file in a run of the suite on this 2-core machine under two workers (`make test
+# PYTEST_ARGS=--durations=40`, 2026-11-27), rounded; a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
-    "test_chaos.py": 300, "test_family_engines.py": 300, "test_multinode.py": 195, "test_chat_prompts.py": 185,
-    "test_difficulty.py": 160, "test_learning_signal.py": 157, "test_generator.py": 137, "test_bf16.py": 127,
-    "test_dataset_task.py": 118, "test_finite_tasks.py": 106, "test_faults.py": 104, "test_multiturn.py": 98,
-    "test_delta_transports.py": 34, "test_config.py": 31, "test_lora.py": 27, "test_checkpoint.py": 12,
+    "test_verify.py": 350, "test_family_engines.py": 261, "test_pipeline.py": 227, "test_signals.py": 217,
+    "test_chaos.py": 180, "test_learning_signal.py": 134, "test_sync_matrix.py": 131, "test_smollm2_run.py": 120,
+    "test_planner_run.py": 117, "test_multinode.py": 112, "test_reward_model.py": 99, "test_faults.py": 91,
+    "test_chat_prompts.py": 87, "test_loss_recipes.py": 84, "test_placement.py": 77, "test_dataset_task.py": 67,
+    "test_finite_tasks.py": 62, "test_difficulty.py": 58, "test_notebook.py": 55, "test_generator.py": 50,
+    "test_trainer.py": 45, "test_chunked_logprobs.py": 40, "test_bf16.py": 39, "test_delta_transports.py": 34,
+    "test_config.py": 31, "test_weightsync_vllm.py": 30, "test_lora.py": 28, "test_smollm2.py": 25,
+    "test_model_families.py": 20, "test_multiturn.py": 20, "test_end_of_turn.py": 17,
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import subprocess
 import sys
@@ -98,7 +99,11 @@ def test_engine_serves_the_push_bit_for_bit_and_names_a_corrupted_tensor(restore
     assert parts["model.layers.0.self_attn.qkv_proj.weight"] == [
         f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     assert parts["lm_head.weight@kernel"] == ["model.embed_tokens.weight"]
-    assert n == shadow_n == len(tensors) == 19 and "model.layers.0.mlp.down_proj.weight" in tensors
+    # every pushed HF tensor is checked: each served tensor is an HF one or the fused copy of its parts
+    # (how many depends on the kernels vLLM picks on this CPU: fused kept packed or split back)
+    covered = {name for t in tensors for name in parts.get(t, [t])}
+    assert n == shadow_n == len(tensors) and covered >= set(ref), sorted(set(ref) - covered)
+    assert "model.layers.0.mlp.down_proj.weight" in tensors
     assert len(compare(ref, *stale)) >= 10  # a step moved most tensors, and the check sees it
     with pytest.raises(VerifyError, match=rf"generator0 does not serve weight version 1 bit for bit: 1 tensor\(s\) "
                                           rf"differ from the trainer's: {FLIPPED}: served checksum"):
@@ -139,4 +144,5 @@ def test_cli_run_with_two_trainer_ranks_verifies_every_push_bit_for_bit(tmp_path
     p = run_cli("collective", out, "trainer.num_ranks=2", "run.log_level=info")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
     assert json.loads((out / "summary.json").read_text())["pushes"] == {"started": 2, "verified": 2}
-    assert "trainer rank 1/2" in p.stderr and p.stderr.count("verified bit for bit on 1 generator(s): 19 tensors") == 2
+    counts = re.findall(r"verified bit for bit on 1 generator\(s\): (\d+) tensors", p.stderr)
+    assert "trainer rank 1/2" in p.stderr and len(counts) == 2 and len(set(counts)) == 1 and int(counts[0]) >= 19, counts
