@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pipeline.models.family_checkpoint import ensure_family_checkpoint
 from pipeline.tokens import load_tokenizer
 from pipeline.trainer.step import TrainCore
 from tests.test_bf16 import one_rank, restored_environ  # noqa: F401  (fixtures)
+from tests.test_verify import assert_two_verified_pushes_and_small_mismatch
 
 from .conftest import REPO
 
@@ -221,11 +221,4 @@ def test_cli_run_verifies_every_push_and_reports_small_mismatch(family, transpor
     out = tmp_path / "run"
     p = run_cli(family, transport, out)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["pushes"] == {"started": 2, "verified": 2}, summary["pushes"]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "mismatch_max" in r]
-    assert len(rows) == 2
-    for r in rows:  # bf16 engines against a bf16 forward of the same weights: sampler noise only
-        assert r["mismatch_cur_frac"] + r["mismatch_stale_frac"] == pytest.approx(1.0)
-        assert r["mismatch_max"] < 0.1 and abs(r["kl_sampler_learner"]) < 0.02, r
+    assert_two_verified_pushes_and_small_mismatch(out)

