@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pipeline.generator.engine import SLOW_GAP_FACTOR, Liveness, hang_bound
+from pipeline.generator.liveness import SLOW_GAP_FACTOR, Liveness, hang_bound
 
 
 def out(rid: str, finished: bool = False):

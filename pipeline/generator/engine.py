@@ -45,6 +45,7 @@ import time
 from typing import Callable
 
 from pipeline import cleanup, procs
+from pipeline.generator.liveness import SLOW_GAP_FACTOR, Liveness, hang_bound  # noqa: F401  (re-exported)
 from pipeline.config import Config
 from pipeline.lora import remove_dir
 from pipeline.model import model_dir
@@ -57,112 +58,6 @@ WARM_LORA_ID = 1_000_000_000
 """LoRARequest ids of the adapters `reload` adds: clear of every version's id (version + 1)."""
 
 __all__ = ["Engine", "Fault", "GeneratorBroken", "Liveness", "engine_args", "hang_bound", "stop_engine"]
-
-SLOW_GAP_FACTOR = 4.0  # the bound is never under this many times the slowest recent gap between outputs
-
-
-def hang_bound(base_s: float, s_per_token: float, pending_prefill_tokens: int, slowest_gap_s: float = 0.0) -> float:
-    """Seconds an engine with work may go without progress before it counts as hung: `base_s`, plus
-    `s_per_token` for every prompt token still waiting for its prefill (one CPU step prefills a whole
-    prompt and sends nothing before it ends), and never under SLOW_GAP_FACTOR x the slowest gap
-    between outputs seen lately (a loaded machine's steps are slow, not hung)."""
-    return max(base_s + s_per_token * max(pending_prefill_tokens, 0), SLOW_GAP_FACTOR * slowest_gap_s)
-
-
-class Liveness:
-    """What an engine core is doing, as its client sees it, and when it last showed progress.
-
-    Fed by the engine's client (Engine._instrument): `added` (a request entered the core with its
-    prompt tokens), `outputs` (a step's outputs: progress; a request's first output ends its
-    prefill, a finished one leaves), `removed` (aborted), `paused` / `resumed`, and `call_began` /
-    `call_ended` around a watched control call (its answer is progress). `hung(now)` is the
-    evidence when the engine has work and no progress within `bound()`, else None. Pure logic: the
-    clock is passed in.
-
-    Example:
-        live = Liveness(6.0, 0.005, now=0.0)
-        live.added("r1", 400, now=0.0)            # bound 6 + 2 s while its prefill is pending
-        live.hung(7.0)                            # None
-        live.hung(9.0)                            # "no progress for 9.0s ..."
-    """
-
-    GAPS = 64  # the slowest of the last GAPS gaps between outputs raises the bound
-
-    def __init__(self, base_s: float, s_per_token: float, now: float):
-        self.base_s, self.s_per_token = base_s, s_per_token
-        self.in_core: set[str] = set()
-        self.prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first output
-        self.is_paused = False
-        self.calls: dict[int, str] = {}  # watched control calls outstanding: id -> what
-        self.last = now
-        self.gaps: list[float] = []
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.calls) or (bool(self.in_core) and not self.is_paused)
-
-    def _work(self, now: float) -> None:
-        if not self.busy:  # work begins: the clock starts now, not at the last output
-            self.last = now
-
-    def _progress(self, now: float) -> None:
-        if self.busy:
-            self.gaps = [*self.gaps[-(self.GAPS - 1):], now - self.last]
-        self.last = now
-
-    def added(self, rid: str, prompt_tokens: int, now: float) -> None:
-        self._work(now)
-        self.in_core.add(rid)
-        self.prefill[rid] = prompt_tokens
-
-    def outputs(self, outs, now: float) -> None:
-        """A step's EngineCoreOutputs (each with request_id and finished)."""
-        if outs:
-            self._progress(now)
-        for o in outs:
-            self.prefill.pop(o.request_id, None)
-            if o.finished:
-                self.in_core.discard(o.request_id)
-
-    def removed(self, rids, now: float) -> None:
-        for rid in rids:
-            self.in_core.discard(rid)
-            self.prefill.pop(rid, None)
-
-    def paused(self, now: float) -> None:
-        self.is_paused = True
-
-    def resumed(self, now: float) -> None:
-        self._work(now)
-        self.is_paused = False
-
-    def call_began(self, key: int, what: str, now: float) -> None:
-        self._work(now)
-        self.calls[key] = what
-
-    def call_ended(self, key: int, now: float, answered: bool) -> None:
-        self.calls.pop(key, None)
-        if answered:
-            self.last = now
-
-    def bound(self) -> float:
-        return hang_bound(self.base_s, self.s_per_token, sum(self.prefill.values()), max(self.gaps, default=0.0))
-
-    def hung(self, now: float) -> str | None:
-        """The evidence that the engine is hung, or None (no work, progress within the bound, or off)."""
-        if self.base_s <= 0 or not self.busy:
-            return None
-        age, bound = now - self.last, self.bound()
-        if age <= bound:
-            return None
-        pending = sum(self.prefill.values())
-        calls = ", ".join(sorted(set(self.calls.values()))) or "none"
-        return (f"the vLLM engine is hung: no progress for {age:.1f}s (bound {bound:.1f}s: "
-                f"generator.hang_timeout_s={self.base_s:g} + {pending} prompt tokens awaiting prefill x "
-                f"generator.hang_s_per_token={self.s_per_token:g}, slowest recent gap "
-                f"{max(self.gaps, default=0.0):.2f}s); {len(self.in_core)} requests in the engine"
-                f"{' (paused)' if self.is_paused else ''}, control calls outstanding: {calls}")
-
 
 class GeneratorBroken(RuntimeError):
     """The generator cannot serve any more (failed weight load, dead engine, failed loop)."""
