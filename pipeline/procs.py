@@ -42,6 +42,18 @@ def start_time(pid: int) -> int | None:
     return st[1] if st is not None and st[2] != "Z" else None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) a live pid has used so far, or None once it is gone."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 def cmdline(pid: int) -> str:
     """A process's command line (its first 160 characters), or "?" once it is gone: for messages
     that name what was left running."""

@@ -174,6 +174,31 @@ def leaves_nothing_behind():
     assert not problems, "the suite left things behind:\n  " + "\n  ".join(problems)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def closes_its_zmq_sockets():
+    """After each module: no ZMQ socket of the module's left open in a context nobody will close (an
+    engine client's). Such a context blocks whatever later triggers its garbage collection forever, in
+    zmq_ctx_term; the module fails, naming the sockets, and they are closed here."""
+    yield
+    import gc
+    import sys
+
+    zmq = sys.modules.get("zmq")
+    if zmq is None:
+        return
+    # no gc.collect() first: collecting such a context is the hang; gc.get_objects() sees garbage too
+    shared = getattr(zmq.Context, "_instance", None)  # the process-wide instance lives to exit
+    found = []
+    for ctx in [o for o in gc.get_objects() if isinstance(o, zmq.Context)]:
+        if ctx is shared or ctx.closed:
+            continue
+        for sock in list(ctx._sockets):
+            if not sock.closed:
+                found.append(f"{sock!r} of {ctx!r}")
+                sock.close(linger=0)
+    assert not found, "ZMQ sockets left open (an engine client not closed):\n  " + "\n  ".join(found)
+
+
 def pytest_collection_finish(session):
     """vLLM is imported here, once, when a collected test uses it. A module of vLLM's keeps an
     exception from its own import, whose traceback holds every frame that was on the stack: when a
@@ -185,11 +210,25 @@ def pytest_collection_finish(session):
         import vllm.v1.engine.async_llm  # noqa: F401
 
 
+SESSION_END_LIMIT_S = 300  # the engine check below, bounded as a test is (a hang there is no test's)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """No vLLM engine left for the garbage collector: one alive at interpreter exit fails in its
     __del__ (its modules are gone) and leaves its output task pending. Cycles are collected here,
     while the modules exist; an engine still referenced fails the run, naming what holds it. Under
     pytest-xdist each worker checks its own and hands the lines to the controller, which fails."""
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(SESSION_END_LIMIT_S, exit=True, file=sys.__stderr__)
+    try:
+        _check_engines(session)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _check_engines(session) -> None:
     import gc
 
     config = session.config
@@ -231,8 +270,8 @@ def pytest_testnodedown(node, error):
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
-    "test_verify.py": 350, "test_family_engines.py": 261, "test_pipeline.py": 227, "test_signals.py": 217,
-    "test_chaos.py": 180, "test_learning_signal.py": 134, "test_sync_matrix.py": 131, "test_smollm2_run.py": 120,
+    "test_verify.py": 260, "test_family_engines.py": 261, "test_pipeline.py": 227, "test_signals.py": 217,
+    "test_chaos.py": 120, "test_learning_signal.py": 134, "test_sync_matrix.py": 131, "test_smollm2_run.py": 120,
     "test_planner_run.py": 117, "test_multinode.py": 112, "test_reward_model.py": 99, "test_faults.py": 91,
     "test_chat_prompts.py": 87, "test_loss_recipes.py": 84, "test_placement.py": 77, "test_dataset_task.py": 67,
     "test_finite_tasks.py": 62, "test_difficulty.py": 58, "test_notebook.py": 55, "test_generator.py": 50,

@@ -88,3 +88,33 @@ def test_aborted_requests_leave_and_zero_turns_it_off():
     off = Liveness(0.0, 0.005, now=0.0)
     off.added("a", 10, now=0.0)
     assert off.hung(1e6) is None
+
+
+def test_cpu_use_tells_a_starved_engine_from_a_stopped_one():
+    """Past the bound, an engine whose processes still use CPU is working (a loaded machine's first
+    step, with no gap seen yet to raise the bound) until WORKING_CAP_FACTOR x the bound; one whose
+    processes use none is hung at the bound. The waiting peer's spin (about a second after its
+    partner stops) keeps the window busy until it leaves it."""
+    from pipeline.generator.liveness import CPU_BUSY_FRAC, WORKING_CAP_FACTOR
+
+    def engine(cpu_per_s):
+        live = Liveness(6.0, 0.0, now=0.0)
+        live.added("a", 10, now=0.0)
+        t, c = 0.0, 0.0
+        while t < 200.0:
+            live.cpu(c, now=t)
+            if live.hung(t) is not None:
+                return t, live.hung(t)
+            t += 0.5
+            c += cpu_per_s(t) * 0.5
+        return None, None
+
+    starved, _ = engine(lambda t: 0.1)  # 10% of a core: a busy machine's share
+    assert starved is not None and starved > WORKING_CAP_FACTOR * 6.0 - 0.5
+    at, why = engine(lambda t: 1.0 if t <= 1.0 else 0.02)  # stopped at 0: the peer spins 1 s, then sleeps
+    assert at is not None and 6.0 < at <= 8.0 and "CPU s in the last" in why, (at, why)
+    assert 0.02 < CPU_BUSY_FRAC < 0.1
+    # no CPU samples (processes not readable): the bound alone decides, as before
+    live = Liveness(6.0, 0.0, now=0.0)
+    live.added("a", 10, now=0.0)
+    assert live.hung(6.5) is not None

@@ -17,7 +17,9 @@ Contract:
     paused, or a watched control call outstanding) it must show progress (a step's outputs, or the
     call's answer) within `Liveness.bound()`: generator.hang_timeout_s, plus generator.hang_s_per_token
     per prompt token not prefilled yet, never under 4x the slowest recent gap between outputs.
-    Past it the engine is hung: the Fault is tripped with the evidence (a restart, like a crash), and
+    Past it, with the core and its workers using (almost) no CPU over that window (a stopped or
+    blocked engine; a starved one on a loaded machine still gets its share), or past 10x it whatever
+    they use (a hang that spins), the engine is hung: the Fault is tripped with the evidence (a restart, like a crash), and
     every control call outstanding fails at once. The weight load itself is not watched (its bound is
     weight_sync.timeout_s): the core answers nothing while it loads.
   * `stop` forgets the core's death first (the stop kills it), then kills core and worker outright
@@ -140,12 +142,15 @@ def stop_engine(engine) -> None:
     worker: most of a run's shutdown); the shared-memory queues they held are unlinked once nobody
     maps them, as vLLM's own exit would, and this process's resource tracker forgets them."""
     handler = getattr(engine, "output_handler", None)  # would log the killed core as a failure
-    if handler is not None and not handler.done() and not handler.get_loop().is_closed():
-        loop = handler.get_loop()
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
+    loop = handler.get_loop() if handler is not None else None
+    try:
+        on_loop = loop is not None and asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    # the loop runs in another thread (the engine driven through asyncio.to_thread): vLLM's shutdown
+    # hands the socket closes to that loop, which runs them; otherwise they are closed here
+    loop_elsewhere = loop is not None and not on_loop and not loop.is_closed() and loop.is_running()
+    if handler is not None and not handler.done() and not loop.is_closed():
         if on_loop:  # the cancellation runs once this coroutine yields
             handler.cancel()
         elif not loop.is_running():  # an idle loop (a test fixture's teardown): run the cancellation now,
@@ -178,7 +183,29 @@ def stop_engine(engine) -> None:
     while any(procs.alive(p) for p in tree) and time.monotonic() < deadline:
         time.sleep(0.02)  # other processes' exits: no event to wait on from this thread
     engine.shutdown()
+    if not loop_elsewhere:
+        _close_client(engine, resources)
     cleanup.untrack(cleanup.unlink_orphaned(held))
+
+
+def _close_client(engine, resources) -> None:
+    """Close the engine client's ZMQ sockets and terminate its context. vLLM's shutdown queues the
+    socket closes on the engine's event loop when called off it; a loop that never runs again (a
+    fixture's, idle) leaves them open, and the context, once garbage-collected, then blocks its
+    collector forever in zmq_ctx_term (whatever code happened to trigger that collection). Every
+    socket the client made is in its context's (or the asyncio shadow's) socket set."""
+    if resources is None:
+        return
+    ctx = getattr(resources, "ctx", None)
+    contexts = [c for c in (getattr(getattr(engine, "engine_core", None), "ctx", None), ctx) if c is not None]
+    for c in contexts:
+        for sock in list(getattr(c, "_sockets", ()) or ()):
+            if not sock.closed:
+                with contextlib.suppress(Exception):
+                    sock.close(linger=0)
+    if ctx is not None and not ctx.closed:
+        with contextlib.suppress(Exception):
+            ctx.destroy(linger=0)
 
 
 class Engine:
@@ -276,10 +303,15 @@ class Engine:
 
     async def _check_liveness(self) -> None:
         period = min(0.5, self.g.hang_timeout_s / 4)
+        cores = [p.pid for p in _core_processes(self.llm) if getattr(p, "pid", None)]
+        tree = [*cores, *(pid for c in cores for pid, _ in procs.descendants(c))]  # core and its workers
         while True:
             await asyncio.sleep(period)
             if self.fault.tripped:
                 return
+            used = [procs.cpu_seconds(pid) for pid in tree]
+            if tree and None not in used:  # one gone: its death is the sentinel's to report
+                self.live.cpu(sum(used), time.monotonic())
             if (why := self.live.hung(time.monotonic())) is not None:
                 if not self._hung.done():
                     self._hung.set_result(why)

@@ -4,6 +4,13 @@ apart from the engine so the rule is tested on a fake clock (tests/test_liveness
 from __future__ import annotations
 
 SLOW_GAP_FACTOR = 4.0  # the bound is never under this many times the slowest recent gap between outputs
+CPU_BUSY_FRAC = 0.05
+"""An engine whose processes (core and workers) used more than this share of one core over the bound's
+last window is working, slowly, not hung: a starved process on a loaded machine still gets its share,
+a stopped or blocked one gets none (its waiting peer spins about a second, then sleeps: ~2% of a core)."""
+WORKING_CAP_FACTOR = 10.0
+"""...but never more than this many times the bound without progress: a hang that spins (a GPU kernel
+waited on by a busy-polling thread) uses CPU too."""
 
 
 def hang_bound(base_s: float, s_per_token: float, pending_prefill_tokens: int, slowest_gap_s: float = 0.0) -> float:
@@ -20,9 +27,11 @@ class Liveness:
     Fed by the engine's client (Engine._instrument): `added` (a request entered the core with its
     prompt tokens), `outputs` (a step's outputs: progress; a request's first output ends its
     prefill, a finished one leaves), `removed` (aborted), `paused` / `resumed`, and `call_began` /
-    `call_ended` around a watched control call (its answer is progress). `hung(now)` is the
-    evidence when the engine has work and no progress within `bound()`, else None. Pure logic: the
-    clock is passed in.
+    `call_ended` around a watched control call (its answer is progress); `cpu` (the CPU seconds its
+    processes have used so far, sampled by the engine's check). `hung(now)` is the evidence when the
+    engine has work and no progress within `bound()` while its processes used (almost) no CPU over
+    that window, or no progress within WORKING_CAP_FACTOR x `bound()` whatever they used; else None.
+    Without CPU samples the bound alone decides. Pure logic: the clock is passed in.
 
     Example:
         live = Liveness(6.0, 0.005, now=0.0)
@@ -41,6 +50,7 @@ class Liveness:
         self.calls: dict[int, str] = {}  # watched control calls outstanding: id -> what
         self.last = now
         self.gaps: list[float] = []
+        self.cpu_samples: list[tuple[float, float]] = []  # (time, CPU seconds used so far), oldest first
 
     @property
     def busy(self) -> bool:
@@ -90,6 +100,20 @@ class Liveness:
         if answered:
             self.last = now
 
+    def cpu(self, cpu_s: float, now: float) -> None:
+        """The engine's processes have used `cpu_s` CPU seconds in all (a running total)."""
+        self.cpu_samples.append((now, cpu_s))
+        keep = now - WORKING_CAP_FACTOR * self.bound() - 1.0  # the windows asked about never reach further
+        while len(self.cpu_samples) > 2 and self.cpu_samples[1][0] <= keep:
+            self.cpu_samples.pop(0)
+
+    def cpu_used(self, now: float, window: float) -> float | None:
+        """CPU seconds used over the last `window` seconds, or None without a sample that old."""
+        start = [c for t, c in self.cpu_samples if t <= now - window]
+        if not start or not self.cpu_samples:
+            return None
+        return self.cpu_samples[-1][1] - start[-1]
+
     def bound(self) -> float:
         return hang_bound(self.base_s, self.s_per_token, sum(self.prefill.values()), max(self.gaps, default=0.0))
 
@@ -100,10 +124,16 @@ class Liveness:
         age, bound = now - self.last, self.bound()
         if age <= bound:
             return None
+        used = self.cpu_used(now, bound)
+        working = used is not None and used > CPU_BUSY_FRAC * bound
+        if working and age <= WORKING_CAP_FACTOR * bound:
+            return None
         pending = sum(self.prefill.values())
         calls = ", ".join(sorted(set(self.calls.values()))) or "none"
+        cpu = ("" if used is None else f"its processes used {used:.2f} CPU s in the last {bound:.1f}s"
+               + (f" (working, but past {WORKING_CAP_FACTOR:g} x the bound)" if working else "") + "; ")
         return (f"the vLLM engine is hung: no progress for {age:.1f}s (bound {bound:.1f}s: "
                 f"generator.hang_timeout_s={self.base_s:g} + {pending} prompt tokens awaiting prefill x "
                 f"generator.hang_s_per_token={self.s_per_token:g}, slowest recent gap "
-                f"{max(self.gaps, default=0.0):.2f}s); {len(self.in_core)} requests in the engine"
+                f"{max(self.gaps, default=0.0):.2f}s); {cpu}{len(self.in_core)} requests in the engine"
                 f"{' (paused)' if self.is_paused else ''}, control calls outstanding: {calls}")
