@@ -188,7 +188,16 @@ def test_kl_penalty_to_initial_policy_is_reported(cfg):
     core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, kl_coef=0.1)))
     b = make_batch(core.model)
     assert core.train_step(b)["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # still the initial policy
-    assert core.train_step(b)["kl_ref"] > 0  # k3 >= 0 and the policy has moved
+    m = core.train_step(b)
+    assert m["kl_ref"] > 0  # k3 >= 0 and the policy has moved
+    # the step's phases: the reference's forwards are timed apart from the policy's step
+    assert m["time/ref_s"] > 0 and m["time/policy_s"] > 0 and m["time/pi_old_s"] >= 0
+
+
+def test_pi_old_pass_is_timed_apart_when_there_are_later_minibatches(cfg):
+    core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2, kl_coef=0.0)))
+    m = core.train_step(make_batch(core.model))
+    assert m["time/pi_old_s"] > 0 and m["time/ref_s"] == 0.0 and m["time/policy_s"] > 0
 
 
 def test_sft_step_at_its_own_lr_leaves_the_rl_lr_alone(cfg):

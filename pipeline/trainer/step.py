@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 
@@ -117,6 +118,16 @@ class TrainCore:
         """Token ids (any device) -> `model`'s log-probs at the sampling temperature."""
         return lambda ids: logprobs(model, ids.to(self.device), self.temperature, self._chunk(model))[0]
 
+    @staticmethod
+    def _timed(score: Score, acc: list[float]) -> Score:
+        def timed(ids):
+            t0 = time.perf_counter()
+            try:
+                return score(ids)
+            finally:
+                acc[0] += time.perf_counter() - t0
+        return timed
+
     def _chunk(self, model: torch.nn.Module) -> int:
         return self.chunk if model is self.model or chunked.chunkable(model) else 0
 
@@ -160,7 +171,9 @@ class TrainCore:
         mask_all = batch.loss_mask[:, 1:].float()
         plan = minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank, t.micro_batch_size)
         self.model.train()
-        score_ref = None if self.ref_model is None else self._scorer(self.ref_model)
+        t_start = time.perf_counter()
+        ref_s = [0.0]  # the reference model's forwards, wherever they run (π_old's pass or the first step)
+        score_ref = None if self.ref_model is None else self._timed(self._scorer(self.ref_model), ref_s)
         prox = Proximal(mask_all.shape, self.device, t, score_ref, self.version)
         mis = self.snapshots.balance_mixture(self.version, batch, plan, prox) if t.correction == "mis_balance" else {}
         # π_old of minibatches 1.. with the pre-step weights, before any update. Minibatch 0's is
@@ -172,6 +185,7 @@ class TrainCore:
                     ids = batch.input_ids[rows].to(self.device)
                     prox.record(batch, rows, keep, ids,
                                 *logprobs(self.model, ids, self.temperature, self.chunk, "value"))
+        t_old, ref_in_old = time.perf_counter(), ref_s[0]
         steps = []
         for epoch in range(t.epochs):
             for m, (mb_rows, micro) in enumerate(plan):
@@ -186,6 +200,11 @@ class TrainCore:
                     raise NonFiniteLossError(f"{e}; {len(steps)} earlier optimizer step(s) of this batch "
                                              "stay applied") from e
         once = self.par.all_reduce(prox.sums, prox.maxes)
+        t_end = time.perf_counter()
+        # where this rank's step went: π_old of minibatches 1.. (minibatch 0's is its first forward),
+        # the reference's forwards, and the forward/backward/optimizer steps (the reference's excluded)
+        timing = {"time/pi_old_s": t_old - t_start - ref_in_old, "time/ref_s": ref_s[0],
+                  "time/policy_s": t_end - t_old - (ref_s[0] - ref_in_old)}
         self.version += 1
         self.samples_seen += batch.num_samples
         tok = float(mask_all.sum())
@@ -218,7 +237,7 @@ class TrainCore:
                 "clip_frac": frac("clip_tokens"), "dual_clip_frac": frac("dual_clip_tokens"),
                 "is_clip_frac": frac("is_clip_tokens"), "kl_ref": frac("kl_sum"),
                 "entropy": entropy, "entropy_coef": coef,
-                "staleness_mean": float(batch.staleness().float().mean()), **recipe, **mm, **mis,
+                "staleness_mean": float(batch.staleness().float().mean()), **recipe, **mm, **mis, **timing,
                 **{f"grad/{k[5:]}": v for k, v in steps[0].items() if k.startswith("grad_var")}}
 
     def _ppo_step(self, batch: Batch, micro: list[tuple[torch.Tensor, float]], den: tuple[float, float],
