@@ -27,6 +27,7 @@ from typing import Any
 from pipeline import cleanup, logs
 from pipeline.checkpoint import prepare_resume
 from pipeline.config import Config, ConfigError, load_config
+from pipeline.driver.calls import RunError
 from pipeline.model import check_model
 from pipeline.models import ModelError
 from pipeline.placement import check_host
@@ -143,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TaskError, ModelError) as e:  # the file, the job's shape (trainer.num_ranks vs hosts), or the
         print(f"error: {e}", file=sys.stderr)  # task (the Job checks it before any mesh starts)
         return 2
+    except Exception as e:  # the run failed: its cause in one line (the traceback at run.log_level=debug)
+        if not isinstance(e, RunError) and type(e).__name__ != "SupervisionError":  # an actor's proc died
+            raise
+        log.debug("the run failed", exc_info=True)
+        print(f"error: the run failed: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # SIGINT; cleanup.Interrupted for SIGTERM and SIGHUP
         print(f"interrupted ({e or 'SIGINT'}); exit code {cleanup.exit_code(e)}", file=sys.stderr)
         return cleanup.exit_code(e)
