@@ -460,3 +460,26 @@ def test_grad_variance_is_the_spread_of_the_micro_batch_gradients(cfg):
                       one(same_rows.versions), torch.ones(8), torch.ones(8), tuple(range(8)), core.version)
     m = core.train_step(same_rows)
     assert m["grad/var_rel"] < 1e-6, m
+
+
+def test_overlong_filter_trains_as_if_the_truncated_samples_had_no_loss_tokens(cfg):
+    """DAPO's overlong filtering in the trainer (trainer.overlong_filter): the step on a batch with two
+    truncated samples moves the weights exactly as the same step with those samples' loss masks zeroed,
+    reports their share, and differs from the unfiltered step."""
+    def step(overlong_filter: bool, batch: Batch) -> tuple[dict, dict]:
+        torch.manual_seed(0)
+        core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, overlong_filter=overlong_filter)))
+        return core.train_step(batch), weights(core)
+
+    torch.manual_seed(0)
+    base = make_batch(TrainCore(cfg).model, mu_noise=0.05)
+    truncated = torch.tensor([False, True, False, True, False, False])
+    flagged = dataclasses.replace(base, truncated=truncated)
+    masked = dataclasses.replace(base, loss_mask=base.loss_mask * (~truncated).float()[:, None])
+    m_filtered, w_filtered = step(True, flagged)
+    _, w_masked = step(False, masked)
+    m_plain, w_plain = step(False, flagged)
+    assert same(w_filtered, w_masked)
+    assert not same(w_filtered, w_plain)
+    assert m_filtered["overlong_filtered_frac"] == pytest.approx(2 / 6) and m_plain["overlong_filtered_frac"] == 0.0
+    assert m_filtered["truncated_frac"] == m_plain["truncated_frac"] == pytest.approx(2 / 6)
