@@ -32,7 +32,7 @@ def loop():
 
 # A hung test must fail the run with its name and stack, not run CI into its time limit. No single
 # test here takes more than a few minutes; RL_TEST_LIMIT_S raises the bound on a slow machine.
-TEST_LIMIT_S = float(os.environ.get("RL_TEST_LIMIT_S", "900"))
+TEST_LIMIT_S = float(os.environ.get("RL_TEST_LIMIT_S", "600"))
 
 
 def _hung(item) -> None:
@@ -279,6 +279,12 @@ FILE_SECONDS = {
     "test_config.py": 31, "test_weightsync_vllm.py": 30, "test_lora.py": 28, "test_smollm2.py": 25,
     "test_model_families.py": 20, "test_multiturn.py": 20, "test_end_of_turn.py": 17,
 }
+
+
+def pytest_configure(config):
+    # xdist's loadfile would deal files by their number of tests, most first, not in the order below
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
