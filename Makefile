@@ -36,8 +36,9 @@ smollm2: $(STAMP)
 # mesh stays in one process; the slowest files are collected first (tests/conftest.py) so neither
 # worker is left with a long one at the end. Most of a test's time is process start-up and imports,
 # which leave a core idle: two workers finish the suite in far less than one.
+# The slowest 25 tests are listed at the end (where the time goes, for FILE_SECONDS in tests/conftest.py).
 TEST_WORKERS ?= 2
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
