@@ -232,7 +232,7 @@ def test_bf16_two_rank_fsdp_push_matches_one_rank(loop, tmp_path):
 
     def cfg(ranks: int) -> Config:
         return Config(model=ModelConfig(dtype="bfloat16"), trainer=TrainerConfig(num_ranks=ranks, lr=1e-3,
-                                                                                 init_timeout_s=60))
+                                                                                 init_timeout_s=240))
 
     one, two = gather(loop, Trainer.start(cfg(1), name="b1"), Trainer.start(cfg(2), name="b2"))
     try:

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 
 
 def cfg_for(ranks: int, **kw) -> Config:
-    # A short process-group timeout: a collective mismatch fails the test in 60 s instead of hanging.
-    return Config(model=ModelConfig(), trainer=TrainerConfig(num_ranks=ranks, lr=1e-3, init_timeout_s=60, **kw))
+    # A bounded process-group timeout: a collective mismatch fails the test in 240 s instead of hanging
+    # (60 s was too short for a 2-rank mesh to start beside a 4-rank one on 2 loaded cores).
+    return Config(model=ModelConfig(), trainer=TrainerConfig(num_ranks=ranks, lr=1e-3, init_timeout_s=240, **kw))
 
 
 def gather(loop, *coros):

@@ -90,11 +90,18 @@ class Supervisor:
         def hook(failure) -> None:
             if failure.mesh_name.startswith("logger-"):  # a dead proc's logger mesh goes with it
                 return
-            for slot in self.fleet.slots():
-                if (inc := slot.incarnation_of(failure.mesh_name)) is not None:
+            slot, inc = None, None
+            for s in self.fleet.slots():
+                if (inc := s.incarnation_of(failure.mesh_name)) is not None:
+                    slot = s
+                    break
+            try:
+                if slot is not None:
                     loop.call_soon_threadsafe(self.report, slot, failure.report(), inc)
-                    return
-            loop.call_soon_threadsafe(self.report, None, failure.report())
+                else:
+                    loop.call_soon_threadsafe(self.report, None, failure.report())
+            except RuntimeError:  # this run's loop is closed: a mesh of a run that has ended
+                log.warning("a mesh failed after its run ended: %s", failure.report())
 
         monarch.actor.unhandled_fault_hook = hook
 
