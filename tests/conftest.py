@@ -177,8 +177,18 @@ def leaves_nothing_behind():
 def _report_mesh_failure(failure) -> None:
     import sys
 
+    report = failure.report()
     sys.__stderr__.write(f"[monarch] a mesh failed with nobody handling it (a test using it fails on its next "
-                         f"call): {failure.report()}\n")
+                         f"call): {report}\n")
+    if "RootClientActor" in report.split("\n", 1)[0]:  # this process's own Monarch client: every later call fails
+        import psutil
+
+        sys.__stderr__.write("[monarch] this process's Monarch client failed: the worker exits, and xdist gives "
+                             "the files left to a fresh one\n")
+        sys.__stderr__.flush()
+        for child in psutil.Process().children(recursive=True):  # its procs, vLLM engine cores
+            child.kill()
+        os._exit(75)
 
 
 @pytest.fixture(autouse=True)
