@@ -16,13 +16,18 @@ from pathlib import Path
 Proc = tuple[int, int]
 
 
-def _stat(pid: int) -> tuple[int, int, str] | None:
-    """(ppid, start time, state) of a live pid, or None."""
+def _fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (fields 3.. of proc(5)), or None once it is gone."""
     try:
-        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return int(fields[1]), int(fields[19]), fields[0]
+
+
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, start time, state) of a live pid, or None."""
+    fields = _fields(pid)
+    return None if fields is None else (int(fields[1]), int(fields[19]), fields[0])
 
 
 def parent(pid: int) -> int | None:
@@ -44,11 +49,8 @@ def start_time(pid: int) -> int | None:
 
 def cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system) a live pid has used so far, or None once it is gone."""
-    try:
-        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    fields = _fields(pid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 _TICKS = os.sysconf("SC_CLK_TCK")
