@@ -212,6 +212,7 @@ def closes_its_zmq_sockets():
     yield
     import gc
     import sys
+    import warnings
 
     zmq = sys.modules.get("zmq")
     if zmq is None:
@@ -219,7 +220,10 @@ def closes_its_zmq_sockets():
     # no gc.collect() first: collecting such a context is the hang; gc.get_objects() sees garbage too
     shared = getattr(zmq.Context, "_instance", None)  # the process-wide instance lives to exit
     found = []
-    for ctx in [o for o in gc.get_objects() if isinstance(o, zmq.Context)]:
+    with warnings.catch_warnings():  # isinstance on a deprecated module attribute (torch's) warns
+        warnings.simplefilter("ignore")
+        contexts = [o for o in gc.get_objects() if isinstance(o, zmq.Context)]
+    for ctx in contexts:
         if ctx is shared or ctx.closed:
             continue
         for sock in list(ctx._sockets):

@@ -144,10 +144,14 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
         rows, busy_steps = [], 0
         # Requests of equal length started together also end together, so a stage end may find none
         # running; steps go on (at most 6 * STEPS) until partials were carried and resumed.
-        for _ in range(6 * STEPS):  # a saturated buffer (admission shut until the trainer steps) idles
+        for i in range(6 * STEPS):  # a saturated buffer (admission shut until the trainer steps) idles
             deadline = time.monotonic() + 5  # the engines: then step anyway, which reopens admission
             while not (was_busy := await busy()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+            # A batch already complete ends the stage the moment the step begins, cutting requests
+            # that were just submitted (no token sampled: nothing to carry). Requests that have been
+            # sampling for a moment (48 tokens take longer than this on any CPU) are cut with tokens.
+            await asyncio.sleep((0.05, 0.1, 0.2)[i % 3] if was_busy else 0)
             rows.append((await steps.step())[1])
             busy_steps += was_busy
             now = await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles])
