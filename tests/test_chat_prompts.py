@@ -219,7 +219,10 @@ def test_chat_prompts_for_a_checkpoint_without_a_chat_template_are_a_config_erro
 def test_cli_run_on_a_qwen3_checkpoint_with_chat_prompts(qwen_dir, qwen_tok, tmp_path):
     """The shrunk Qwen3 (bf16, Qwen's tokenizer) on a JSONL file of chat prompts, through the CLI with a
     warm start: it ends (exit 0, 3 steps), and the logged samples' prompts are the chat rendering
-    (the template's text; the CLI decodes without special tokens) of the file's messages."""
+    (the template's text; the CLI decodes without special tokens) of the file's messages. Its pushes
+    go over rdma with `weight_sync.verify=every` (shm is the qwen2 family's verified CLI run, collective
+    the two-rank one of tests/test_verify.py): every push is served bit for bit, and the
+    sampler/learner mismatch per step is bf16 noise."""
     data = chat_file(tmp_path / "chat.jsonl")
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
@@ -227,11 +230,18 @@ def test_cli_run_on_a_qwen3_checkpoint_with_chat_prompts(qwen_dir, qwen_tok, tmp
                         f"task.path={data}", "task.eval_prompts=0", "run.eval_every=0", "run.steps=3",
                         "run.warm_start_steps=1", "run.checkpoint_every=0", "buffer.batch_groups=2",
                         "buffer.group_size=2", "generator.concurrency=4", "generator.max_new_tokens=6",
-                        f"run.out_dir={out}"],
+                        "weight_sync.transport=rdma", "weight_sync.verify=every", f"run.out_dir={out}"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3
+    assert summary["pushes"]["started"] == summary["pushes"]["verified"] >= 3, summary["pushes"]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in steps if "mismatch_max" in r]
+    assert len(steps) == 3
+    for r in steps:  # bf16 engines against a bf16 forward of the same weights
+        assert r["mismatch_cur_frac"] + r["mismatch_stale_frac"] == pytest.approx(1.0)
+        assert r["mismatch_max"] < 0.1 and abs(r["kl_sampler_learner"]) < 0.02, r
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 3 * 2
     shown = {qwen_tok.decode(encode_prompt(qwen_tok, chat(w)), skip_special_tokens=True): w for w in WORDS}

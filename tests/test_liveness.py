@@ -118,3 +118,17 @@ def test_cpu_use_tells_a_starved_engine_from_a_stopped_one():
     live = Liveness(6.0, 0.0, now=0.0)
     live.added("a", 10, now=0.0)
     assert live.hung(6.5) is not None
+
+
+def test_a_stall_of_the_checking_process_restarts_the_clock_not_the_engine():
+    """The check runs in the generator's process, which reads the engine's outputs: when that process
+    itself did not run for 30 s (a loaded machine), the outputs of that time were never seen, and the
+    engine is not hung for it. A short lag is not a stall, and a stall without work changes nothing."""
+    live = Liveness(6.0, 0.0, now=0.0)
+    live.added("a", 10, now=0.0)
+    assert not live.stalled(1.0, now=1.5)  # under half the bound: an ordinary lag
+    assert live.stalled(29.0, now=30.0)
+    assert live.hung(30.5) is None and live.hung(35.9) is None
+    assert live.hung(36.5) is not None  # the engine still owes progress within the bound afterwards
+    idle = Liveness(6.0, 0.0, now=0.0)
+    assert not idle.stalled(29.0, now=30.0)

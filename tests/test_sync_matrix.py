@@ -73,13 +73,6 @@ def pipe(tmp_path_factory):
     yield from started_job(tmp_path_factory.mktemp("matrix"))
 
 
-@pytest.fixture
-def fresh_pipe(tmp_path):
-    """A job of its own: after the matrix's cases the buffer holds complete batches ahead, so a stage
-    end comes at once after the update and cuts requests that have not sampled yet."""
-    yield from started_job(tmp_path)
-
-
 def run_case(loop, pipe: Job, **changes) -> list[dict]:
     """Rewire the sync for this case's config and run STEPS steps of the real training loop."""
     base = pipe.cfg
@@ -121,11 +114,11 @@ def test_every_transport_and_strategy_advances_served_versions_within_staleness(
     assert stats["admitted_samples"] == stats["trained_samples"] + stats["dropped_samples"] + stats["held_samples"]
 
 
-def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(fresh_pipe):
+def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(pipe):
     """CoPRIS: at each batch the in-flight rollouts end early as partials and resume on the next
     version. Each step is the job's own `TrainLoop.step`, taken while requests are in the engines (when
     generation outruns training, nothing is in flight at a batch and there is nothing to carry)."""
-    loop, p = fresh_pipe
+    loop, p = pipe
     base = p.cfg
     p.cfg = dataclasses.replace(base, generator=dataclasses.replace(base.generator, carry_over="save"))
     p.sync = WeightSync(p.trainer, p.fleet.handles, p.cfg)
@@ -158,6 +151,7 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
             if busy_steps >= STEPS and moved(before, now, "carried_tokens") and moved(before, now, "reprefill_tokens"):
                 break
         assert busy_steps >= STEPS, f"only {busy_steps} of {len(rows)} steps were taken with requests in the engines"
+        print(f"carried and resumed within {len(rows)} steps ({busy_steps} busy)")
         await p.sync.wait()
         return before, await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles]), rows
 

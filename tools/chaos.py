@@ -103,8 +103,10 @@ def main() -> int:
     if args.quick:
         # one generator: training waits for each recovery, so the run cannot end before it
         args.kills, args.steps, args.gap, args.generators = 2, 30, (1.0, 3.0), 1
+        # deaths only (found by their death notices): a loose hang bound, so a loaded machine (the
+        # suite's other worker) stalling the generator's process for 30 s is not taken for a hang
         args.overrides = ["buffer.batch_groups=4", "buffer.group_size=4", "run.eval_every=15", "task.eval_prompts=16",
-                          "run.warm_start_steps=5", *args.overrides]
+                          "run.warm_start_steps=5", "generator.hang_timeout_s=30", *args.overrides]
     rng = random.Random(args.seed)
     out = Path(args.out)
     run_dir = out / "run"

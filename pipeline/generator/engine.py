@@ -305,10 +305,15 @@ class Engine:
         period = min(0.5, self.g.hang_timeout_s / 4)
         cores = [p.pid for p in _core_processes(self.llm) if getattr(p, "pid", None)]
         tree = [*cores, *(pid for c in cores for pid, _ in procs.descendants(c))]  # core and its workers
+        tick = time.monotonic()
         while True:
             await asyncio.sleep(period)
             if self.fault.tripped:
                 return
+            prev, tick = tick, time.monotonic()
+            if self.live.stalled(tick - prev - period, tick):
+                log.warning("generator %d: this process did not run for %.1fs (a loaded machine?); the "
+                            "engine's liveness clock restarts", self.gid, tick - prev - period)
             used = [procs.cpu_seconds(pid) for pid in tree]
             if tree and None not in used:  # one gone: its death is the sentinel's to report
                 self.live.cpu(sum(used), time.monotonic())

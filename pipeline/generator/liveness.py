@@ -100,6 +100,16 @@ class Liveness:
         if answered:
             self.last = now
 
+    def stalled(self, gap_s: float, now: float) -> bool:
+        """The check that feeds this ran `gap_s` after its previous run. Past half the bound, its own
+        process was not running meanwhile (a loaded machine, a long collection), so the outputs the
+        engine made in that time were not read yet: the engine cannot be blamed for it, and the clock
+        restarts. True when that happened."""
+        if not self.busy or gap_s <= 0.5 * self.bound():
+            return False
+        self.last = now
+        return True
+
     def cpu(self, cpu_s: float, now: float) -> None:
         """The engine's processes have used `cpu_s` CPU seconds in all (a running total)."""
         self.cpu_samples.append((now, cpu_s))
