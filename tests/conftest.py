@@ -300,18 +300,18 @@ def pytest_testnodedown(node, error):
 
 # ---------------------------------------------------------------- order: the slowest files first
 # Seconds per file in a run of the suite on this 2-core machine under two workers (`make test
-# PYTEST_ARGS=--durations=40`, 2026-11-27), rounded; a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
+# PYTEST_ARGS=--durations=0`, 2026-11-27, summed per file; test_verify and test_sync_matrix less the
+# runs since merged away), rounded; a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
-    "test_verify.py": 260, "test_family_engines.py": 261, "test_pipeline.py": 227, "test_signals.py": 217,
-    "test_chaos.py": 120, "test_learning_signal.py": 134, "test_sync_matrix.py": 131, "test_smollm2_run.py": 120,
-    "test_planner_run.py": 117, "test_multinode.py": 112, "test_reward_model.py": 99, "test_faults.py": 91,
-    "test_chat_prompts.py": 87, "test_loss_recipes.py": 84, "test_placement.py": 77, "test_dataset_task.py": 67,
-    "test_finite_tasks.py": 62, "test_difficulty.py": 58, "test_notebook.py": 55, "test_generator.py": 50,
-    "test_trainer.py": 45, "test_chunked_logprobs.py": 40, "test_bf16.py": 39, "test_delta_transports.py": 34,
-    "test_config.py": 31, "test_weightsync_vllm.py": 30, "test_lora.py": 28, "test_smollm2.py": 25,
-    "test_model_families.py": 20, "test_multiturn.py": 20, "test_end_of_turn.py": 17,
+    "test_family_engines.py": 263, "test_chaos.py": 248, "test_pipeline.py": 228, "test_signals.py": 206,
+    "test_smollm2_run.py": 163, "test_multinode.py": 155, "test_verify.py": 146, "test_sync_matrix.py": 139,
+    "test_planner_run.py": 131, "test_learning_signal.py": 119, "test_reward_model.py": 117,
+    "test_generator.py": 110, "test_trainer.py": 93, "test_chat_prompts.py": 80, "test_dataset_task.py": 73,
+    "test_finite_tasks.py": 66, "test_faults.py": 64, "test_placement.py": 64, "test_notebook.py": 60,
+    "test_difficulty.py": 56, "test_bf16.py": 55, "test_multiturn.py": 31, "test_weightsync_vllm.py": 28,
+    "test_lora.py": 26, "test_smollm2.py": 25, "test_vllm_engine.py": 16,
 }
 
 
