@@ -80,7 +80,8 @@ class GeneratorConfig:
     hung too. The bound is this plus generator.hang_s_per_token for every prompt token not prefilled
     yet (one CPU prefill step of a long prompt sends nothing), and never under 4x the slowest gap
     between outputs seen lately (a loaded machine's slow steps); past it an engine whose processes
-    still use CPU (over 5% of a core: starved, not stopped) gets up to 10x the bound. Why 6 s: a decode step takes
+    still use CPU (over 5% of a core: starved, not stopped) gets up to 10x the bound, and a stall of
+    the generator's own process (the check's) restarts the clock. Why 6 s: a decode step takes
     milliseconds to a second on CPU, so 6 s finds a stopped engine core within ~10 s (the default job),
     not at generator.call_timeout_s. 0 turns the check off (>= 0)."""
     hang_s_per_token: float = 0.005
