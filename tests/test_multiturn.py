@@ -245,11 +245,14 @@ def test_carry_over_save_between_two_turns_resumes_the_episode(eng):
     on the exact tokens so far."""
     loop, e, calls = eng
     at_step, go_on = threading.Event(), threading.Event()
-    envs = []
+    envs, waiting, lock = [], [], threading.Lock()
 
     def hook(n: int) -> None:
-        if n == 1:
-            at_step.set()
+        if n == 1:  # the stage ends once every rollout of the group waits here (on a loaded machine
+            with lock:  # the second may still be sampling its first turn when the first arrives)
+                waiting.append(n)
+                if len(waiting) == GROUP:
+                    at_step.set()
             go_on.wait(30)
 
     def factory(item):

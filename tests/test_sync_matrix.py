@@ -134,20 +134,23 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
     async def go() -> tuple[list, list, list]:
         await p.sync.attach(p.trainer_addr)
         before = await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles])
-        rows, busy_steps = [], 0
+        rows, busy_steps, wait_s = [], 0, 0.05
         # Requests of equal length started together also end together, so a stage end may find none
         # running; steps go on (at most 6 * STEPS) until partials were carried and resumed.
-        for i in range(6 * STEPS):  # a saturated buffer (admission shut until the trainer steps) idles
+        for _ in range(6 * STEPS):  # a saturated buffer (admission shut until the trainer steps) idles
             deadline = time.monotonic() + 5  # the engines: then step anyway, which reopens admission
             while not (was_busy := await busy()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             # A batch already complete ends the stage the moment the step begins, cutting requests
             # that were just submitted (no token sampled: nothing to carry). Requests that have been
-            # sampling for a moment (48 tokens take longer than this on any CPU) are cut with tokens.
-            await asyncio.sleep((0.05, 0.1, 0.2)[i % 3] if was_busy else 0)
+            # sampling for a moment are cut with tokens: the moment doubles while cuts carry none
+            # (a loaded machine's first decode step is slow), from 50 ms up to 3.2 s.
+            await asyncio.sleep(wait_s if was_busy else 0)
             rows.append((await steps.step())[1])
             busy_steps += was_busy
             now = await asyncio.gather(*[g.stats.call_one() for g in p.fleet.handles])
+            if was_busy and moved(before, now, "carried_samples") and not moved(before, now, "carried_tokens"):
+                wait_s = min(2 * wait_s, 3.2)
             if busy_steps >= STEPS and moved(before, now, "carried_tokens") and moved(before, now, "reprefill_tokens"):
                 break
         assert busy_steps >= STEPS, f"only {busy_steps} of {len(rows)} steps were taken with requests in the engines"
