@@ -311,13 +311,14 @@ class Engine:
             if self.fault.tripped:
                 return
             prev, tick = tick, time.monotonic()
-            if self.live.stalled(tick - prev - period, tick):
+            late = tick - prev - period
+            if self.live.stalled(late, tick):
                 log.warning("generator %d: this process did not run for %.1fs (a loaded machine?); the "
-                            "engine's liveness clock restarts", self.gid, tick - prev - period)
+                            "engine's liveness clock restarts", self.gid, late)
             used = [procs.cpu_seconds(pid) for pid in tree]
             if tree and None not in used:  # one gone: its death is the sentinel's to report
-                self.live.cpu(sum(used), time.monotonic())
-            if (why := self.live.hung(time.monotonic())) is not None:
+                self.live.cpu(sum(used), tick)
+            if (why := self.live.hung(tick)) is not None:
                 if not self._hung.done():
                     self._hung.set_result(why)
                 self.fault.trip(RuntimeError(f"generator {self.gid}: {why}"))
