@@ -145,7 +145,7 @@ async def run_stage_with_update(gen, src, version: int, on_update: str, n_prompt
     base = (await gen.stats.call_one())["groups"]
     await src.feed.call_one(prompts(n_prompts, seed))
     await gen.start_generation.call_one(src)
-    await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
+    await wait_until(lambda: _all_sampling(gen), 60, "N' requests in the engine, each past its first token")
     served = await serve_checkpoint(gen, version, on_update)
     assert served == version == await gen.version.call_one()
     await finish_stage(gen, base + n_prompts)
@@ -166,6 +166,13 @@ async def finish_stage(gen, groups: int, carry_over: str = "keep"):
 
 async def _all_in_engine(gen):
     return (await gen.stats.call_one())["in_engine"] == N_PRIME
+
+
+async def _all_sampling(gen):
+    """Every one of the N' requests is in the engine and has sampled its first token (a cut before it
+    carries nothing: on a loaded machine the prefill can take a while)."""
+    s = await gen.stats.call_one()
+    return s["in_engine"] == N_PRIME and s["prefilling"] == 0
 
 
 async def _idle(gen):
@@ -322,7 +329,7 @@ def test_stage_end_carries_partials_that_resume_on_new_weights_with_their_own_lo
         base = (await gen.stats.call_one())["groups"]
         await src.feed.call_one(prompts(4, seed=7))
         await gen.start_generation.call_one(src)
-        await wait_until(lambda: _all_in_engine(gen), 60, "N' requests in the engine")
+        await wait_until(lambda: _all_sampling(gen), 60, "N' requests in the engine, each past its first token")
         ended = await gen.end_stage.call_one("save", True)
         first, _, _ = await src.drain.call_one()
         served = await serve_checkpoint(gen, v + 1, "keep")  # resumes the stage

@@ -325,12 +325,14 @@ class Engine:
                 return
 
     def liveness(self) -> dict:
-        """progress_age_s (seconds since the engine last showed progress, 0 without work) and
-        hang_bound_s (the bound it must show progress within now), for stats."""
+        """progress_age_s (seconds since the engine last showed progress, 0 without work),
+        hang_bound_s (the bound it must show progress within now) and prefilling (requests in the core
+        that have not sampled their first token yet), for stats."""
         live = self.live
         if live is None:
-            return {"progress_age_s": 0.0, "hang_bound_s": self.g.hang_timeout_s}
-        return {"progress_age_s": time.monotonic() - live.last if live.busy else 0.0, "hang_bound_s": live.bound()}
+            return {"progress_age_s": 0.0, "hang_bound_s": self.g.hang_timeout_s, "prefilling": 0}
+        return {"progress_age_s": time.monotonic() - live.last if live.busy else 0.0, "hang_bound_s": live.bound(),
+                "prefilling": len(live.prefill)}
 
     def _unwatch(self) -> None:
         loop = asyncio.get_running_loop()
