@@ -72,6 +72,59 @@ def parse() -> argparse.Namespace:
     return ap.parse_args()
 
 
+class _TorchCompat:
+    """torchtitan 0.3.0 imports names that only a newer torch has (e.g. DataParallelMeshDims of
+    torch.distributed.fsdp, in parallelize modules this path never calls). On an older torch, as a
+    GPU machine's image may have, such a name imported by a torchtitan module gets a stub, listed at
+    the end of the run; a stub raises if anything calls it, so nothing is silently wrong."""
+
+    def __init__(self):
+        import builtins
+        import types
+
+        self.builtins, self.types, self.stubbed = builtins, types, []
+        self.real_import = builtins.__import__
+
+    def __enter__(self):
+        self.builtins.__import__ = self._import
+        return self
+
+    def __exit__(self, *exc):
+        self.builtins.__import__ = self.real_import
+
+    def _stub(self, where: str, name: str):
+        what = f"{where}.{name}"
+        self.stubbed.append(what)
+
+        def refuse(*_, **__):
+            raise RuntimeError(f"{what} is not in this torch (a stub made by tools/gpu_check.py so torchtitan "
+                               "imports); this path needs a newer torch")
+        return type(name, (), {"__init__": refuse, "__call__": refuse, "__init_subclass__": classmethod(refuse)})
+
+    def _import(self, name, globals=None, locals=None, fromlist=(), level=0):
+        caller = (globals or {}).get("__name__", "") or ""
+        ours = level == 0 and caller.startswith("torchtitan") and name.split(".")[0] == "torch"
+        try:
+            mod = self.real_import(name, globals, locals, fromlist, level)
+        except ModuleNotFoundError as e:
+            if not ours or not (e.name or "").startswith("torch."):
+                raise
+            parent, _, leaf = name.rpartition(".")
+            mod = self.types.ModuleType(name)
+            sys.modules[name] = mod
+            self.stubbed.append(f"{name} (module)")
+            if parent in sys.modules:
+                setattr(sys.modules[parent], leaf, mod)
+        if ours and fromlist:
+            for n in fromlist:
+                if n != "*" and not hasattr(mod, n):
+                    try:
+                        self.real_import(f"{name}.{n}")
+                    except ImportError:
+                        setattr(mod, n, self._stub(name, n))
+        return mod
+
+
 def main() -> None:
     args = parse()
     if args.qwen3 and args.hf_dir:
@@ -83,7 +136,11 @@ def main() -> None:
         scratch = write_qwen3(args.qwen3, args.layers)
         args.hf_dir = str(scratch)
     try:
-        run(args)
+        with _TorchCompat() as compat:
+            run(args)
+        if compat.stubbed:
+            print(f"[gpu_check] this torch lacks {len(compat.stubbed)} name(s) that torchtitan imports; stubbed, "
+                  f"and none was called: {', '.join(compat.stubbed)}", flush=True)
     finally:
         if scratch is not None:
             import shutil
@@ -121,6 +178,7 @@ def run(args) -> None:
     from pipeline.trainer import chunked
     from pipeline.trainer.step import TrainCore, logprobs
     from pipeline.trainer.synthetic import synthetic_batch
+    from pipeline.weightsync.pinning import HostPins
     from pipeline.weightsync.plan import BucketPlan
     from pipeline.weightsync.shard_plan import ShardPlan
 
@@ -206,8 +264,11 @@ def run(args) -> None:
         shards = ShardPlan.build(plan, [[box for box, _ in boxes]])
         tensors = [t for _, t in boxes]
         push, all_sums = {}, {}
-        for where in (["host", "device"] if cuda else ["host"]):
-            flat = torch.zeros(shards.totals[0], dtype=torch.uint8, device="cpu" if where == "host" else device)
+        pins = HostPins()
+        for where in (["host", "host_pinned", "device"] if cuda else ["host"]):
+            flat = torch.zeros(shards.totals[0], dtype=torch.uint8, device=device if where == "device" else "cpu")
+            if where == "host_pinned" and not pins.pin(flat):  # page-locked in place, as push_weights does
+                raise RuntimeError("gpu_check: CUDA refused to page-lock the host buffer")
             pack_s, sum_s, sums = [], [], None
             for r in range(args.pack_repeats):
                 sync()
@@ -225,8 +286,9 @@ def run(args) -> None:
             all_sums[where] = sums
             push[where] = {"bytes": sent, "pack_s": pack_s, "checksum_s": sum_s, "tensors": len(sums),
                            "pack_gb_per_s": sent / statistics.median(pack_s) / 1e9}
-        if cuda and all_sums["host"] != all_sums["device"]:
-            raise RuntimeError("gpu_check: the device-side checksums differ from the host-side ones")
+        pins.release()
+        if cuda and not all_sums["host"] == all_sums["host_pinned"] == all_sums["device"]:
+            raise RuntimeError("gpu_check: the checksums of the host, page-locked host and device packs differ")
         res.update({"push": push, "buckets": plan.num_buckets, "bucket_mb": cfg.weight_sync.bucket_mb})
 
         # chunked vs full logits: one step each, peak CUDA memory

@@ -16,6 +16,7 @@ from pipeline.weightsync import delta as dl
 from pipeline.weightsync import segment as seg
 from pipeline.weightsync.checksum import Checksum
 from pipeline.weightsync.errors import SyncTimeoutError, VersionRegressionError, WeightSyncError
+from pipeline.weightsync.pinning import HostPins
 from pipeline.weightsync.plan import BucketPlan
 from pipeline.weightsync.shard_plan import Box, ShardPlan
 from pipeline.weightsync.transport import NUM_SLOTS, SenderTransport, SyncHandle
@@ -87,6 +88,7 @@ class WeightSender:
         self.num_receivers = num_receivers
         self.transport = make_sender(cfg.transport, self.shards, rank, num_receivers, cfg, host, backend)
         self._sending: asyncio.Task | None = None
+        self._pins = HostPins()  # host slots page-locked at the first push from CUDA tensors (pinning.py)
         for slot in self.transport.slots:  # fault the pages in now, not during the first pushes
             slot.data.zero_()
         self._pushes = 0
@@ -118,6 +120,8 @@ class WeightSender:
             tensors = [tensors[e.name] for e in self.plan.entries]
         slot_idx = self._pushes % NUM_SLOTS
         slot = self.transport.slots[slot_idx]
+        if not slot.data.is_cuda and any(t.is_cuda for t in tensors[:1]):
+            self._pins.pin(slot.data)  # once per slot; a refusal leaves it pageable
         t0 = time.perf_counter()
         seg.begin_write(slot.header)
         sent = self.shards.pack(self.rank, tensors, slot.data, version)
@@ -207,4 +211,5 @@ class WeightSender:
         if self._sending is not None:
             self._sending.cancel()
             self._sending = None
+        self._pins.release()  # before the transport unmaps or drops the slots
         self.transport.close()
