@@ -38,6 +38,19 @@ from pipeline.weightsync.sync import WeightSync
 log = logging.getLogger(__name__)
 
 
+async def all_settled(steps: dict[str, Any]) -> None:
+    """Run start steps (name -> coroutine) concurrently and let every one end, then raise the first
+    failure: a step is never cancelled halfway (what it started is registered for shut_down only
+    when it returns or fails by itself)."""
+    names = list(steps)
+    results = await asyncio.gather(*steps.values(), return_exceptions=True)
+    failed = [(n, r) for n, r in zip(names, results) if isinstance(r, BaseException)]
+    for n, r in failed[1:]:
+        log.warning("%s failed as well: %s: %s", n, type(r).__name__, r)
+    if failed:
+        raise failed[0][1]
+
+
 class Job:
     """The handles and the shared state of one run: the trainer, the buffer, the fleet, the weight
     sync, the supervisor, the evaluation, and the trainer's version as this process knows it.
@@ -45,10 +58,11 @@ class Job:
     Contract: construction checks what can be checked before any mesh starts (the task, the reward
     model's tokenizer) and starts nothing. `start` reads the checkpoint's tokenizer and special ids
     (`special`), checks that the task's first prompt becomes tokens with them (a ConfigError), then
-    brings the meshes up in order (trainer; warm start of a fixed count; buffer; reward model and
-    generators; the weight sync; run.warm_start_steps=auto, which needs the generators for its
-    probes; no warm start on a resume; `warm` holds its report); a failure midway leaves what
-    started for `shut_down`, which stops whatever is there.
+    brings the meshes up: the trainer, and at the same time the buffer, the reward model and the
+    generators (after the trainer and its warm start when a fixed count of warm-start steps makes the
+    weights they serve); the weight sync; run.warm_start_steps=auto, which needs the generators for
+    its probes; no warm start on a resume; `warm` holds its report. A failure midway lets the other
+    start end, then leaves what started for `shut_down`, which stops whatever is there.
     With `supervised` (the CLI job) the weight sync hands a member's failure to the supervisor (which
     must then run: `Supervisor.run`), else (a Session) a failed member fails the push itself: never a
     generator silently left on old weights. Only the TrainLoop and a resume advance `version`.
@@ -109,25 +123,19 @@ class Job:
         self.check_prompts()
 
         t0 = time.monotonic()
-        log.info("starting trainer mesh (%d ranks over %d host(s))", cfg.trainer.num_ranks, num_hosts)
-        self.trainer = await Trainer.start(cfg, host)  # every call below: all ranks, rank 0's answer
-        self.procs.append(self.trainer.procs)
-        self.trainer_addr = self.trainer.addr
-        self.placement.update({p["role"]: p for p in self.trainer.placements})
-        warm, steps = None, cfg.run.warm_start_steps
+        steps = cfg.run.warm_start_steps
         if steps != "auto" and steps and not cfg.run.resume:
+            # the generators serve the warm-started weights as their version 0: they start after them
+            await self._start_trainer(host, num_hosts)
             warm = str(await warm_start(cfg, self.task, self.trainer, self.tokenizer, steps))
             self.warm = WarmReport(steps, f"run.warm_start_steps={steps}", "fixed")
-
-        log.info("starting replay buffer (host 0) and %d generator(s) on hosts %s; vLLM engines take a while to start",
-                 cfg.generator.num_generators, hosts)
-        buffer_procs = (host.slice(hosts=0) if "hosts" in host.sizes else host).spawn_procs(per_host={"procs": 1})
-        self.procs.append(buffer_procs)
-        self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, cfg, self.special.pad)
-        self.placement["buffer"] = await call_within("buffer setup", self.buffer.setup.call_one(), 60)
-        log.info("placement: buffer (pid %d): %s", self.placement["buffer"]["pid"], describe(self.placement["buffer"]))
-        self.supervisor.install_fault_hook()
-        await self.fleet.start(host, num_hosts, hosts, placements, warm)
+            await self._start_buffer_and_fleet(host, num_hosts, hosts, placements, warm)
+        else:
+            # nothing the generators load waits on the trainer: both come up at once (the vLLM engines'
+            # start is the longest part of a job's start)
+            await all_settled({"trainer start": self._start_trainer(host, num_hosts),
+                               "buffer and generators start": self._start_buffer_and_fleet(
+                                   host, num_hosts, hosts, placements, None)})
         self.sync = WeightSync(self.trainer, self.fleet.handles, cfg,
                                on_failure=self.supervisor.report if self.supervised else None)
         await self.sync.attach(self.trainer_addr)
@@ -136,6 +144,25 @@ class Job:
         if steps == "auto" and not cfg.run.resume:  # a resumed run continues from its checkpoint's weights
             self.warm = await auto_warm_start(cfg, self.task, self.trainer, self.tokenizer, self.fleet, self.evaluation)
             log.info(self.warm.line())
+
+    async def _start_trainer(self, host: Any, num_hosts: int) -> None:
+        log.info("starting trainer mesh (%d ranks over %d host(s))", self.cfg.trainer.num_ranks, num_hosts)
+        self.trainer = await Trainer.start(self.cfg, host)  # every call below: all ranks, rank 0's answer
+        self.procs.append(self.trainer.procs)
+        self.trainer_addr = self.trainer.addr
+        self.placement.update({p["role"]: p for p in self.trainer.placements})
+
+    async def _start_buffer_and_fleet(self, host: Any, num_hosts: int, hosts: list[int], placements: list,
+                                      warm: str | None) -> None:
+        log.info("starting replay buffer (host 0) and %d generator(s) on hosts %s; vLLM engines take a while to start",
+                 self.cfg.generator.num_generators, hosts)
+        buffer_procs = (host.slice(hosts=0) if "hosts" in host.sizes else host).spawn_procs(per_host={"procs": 1})
+        self.procs.append(buffer_procs)
+        self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, self.cfg, self.special.pad)
+        self.placement["buffer"] = await call_within("buffer setup", self.buffer.setup.call_one(), 60)
+        log.info("placement: buffer (pid %d): %s", self.placement["buffer"]["pid"], describe(self.placement["buffer"]))
+        self.supervisor.install_fault_hook()
+        await self.fleet.start(host, num_hosts, hosts, placements, warm)
 
     def check_prompts(self) -> None:
         """The task's first prompt must become tokens for this checkpoint (messages need a chat
