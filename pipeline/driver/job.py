@@ -58,9 +58,9 @@ class Job:
     Contract: construction checks what can be checked before any mesh starts (the task, the reward
     model's tokenizer) and starts nothing. `start` reads the checkpoint's tokenizer and special ids
     (`special`), checks that the task's first prompt becomes tokens with them (a ConfigError), then
-    brings the meshes up: the trainer, and at the same time the buffer, the reward model and the
-    generators (after the trainer and its warm start when a fixed count of warm-start steps makes the
-    weights they serve); the weight sync; run.warm_start_steps=auto, which needs the generators for
+    brings the meshes up: the trainer, the buffer, and at the same time the reward model and the
+    generators (after the trainer's warm start when a fixed count of warm-start steps makes the weights
+    they serve); the weight sync; run.warm_start_steps=auto, which needs the generators for
     its probes; no warm start on a resume; `warm` holds its report. A failure midway lets the other
     start end, then leaves what started for `shut_down`, which stops whatever is there.
     With `supervised` (the CLI job) the weight sync hands a member's failure to the supervisor (which
@@ -126,16 +126,17 @@ class Job:
         steps = cfg.run.warm_start_steps
         if steps != "auto" and steps and not cfg.run.resume:
             # the generators serve the warm-started weights as their version 0: they start after them
-            await self._start_trainer(host, num_hosts)
+            await all_settled({"trainer start": self._start_trainer(host, num_hosts),
+                               "buffer start": self._start_buffer(host)})
             warm = str(await warm_start(cfg, self.task, self.trainer, self.tokenizer, steps))
             self.warm = WarmReport(steps, f"run.warm_start_steps={steps}", "fixed")
-            await self._start_buffer_and_fleet(host, num_hosts, hosts, placements, warm)
+            await self._start_fleet(host, num_hosts, hosts, placements, warm)
         else:
-            # nothing the generators load waits on the trainer: both come up at once (the vLLM engines'
+            # nothing the generators load waits on the trainer: all come up at once (the vLLM engines'
             # start is the longest part of a job's start)
             await all_settled({"trainer start": self._start_trainer(host, num_hosts),
-                               "buffer and generators start": self._start_buffer_and_fleet(
-                                   host, num_hosts, hosts, placements, None)})
+                               "buffer start": self._start_buffer(host),
+                               "generators start": self._start_fleet(host, num_hosts, hosts, placements, None)})
         self.sync = WeightSync(self.trainer, self.fleet.handles, cfg,
                                on_failure=self.supervisor.report if self.supervised else None)
         await self.sync.attach(self.trainer_addr)
@@ -152,15 +153,18 @@ class Job:
         self.trainer_addr = self.trainer.addr
         self.placement.update({p["role"]: p for p in self.trainer.placements})
 
-    async def _start_buffer_and_fleet(self, host: Any, num_hosts: int, hosts: list[int], placements: list,
-                                      warm: str | None) -> None:
-        log.info("starting replay buffer (host 0) and %d generator(s) on hosts %s; vLLM engines take a while to start",
-                 self.cfg.generator.num_generators, hosts)
+    async def _start_buffer(self, host: Any) -> None:
+        log.info("starting replay buffer (host 0)")
         buffer_procs = (host.slice(hosts=0) if "hosts" in host.sizes else host).spawn_procs(per_host={"procs": 1})
         self.procs.append(buffer_procs)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, self.cfg, self.special.pad)
         self.placement["buffer"] = await call_within("buffer setup", self.buffer.setup.call_one(), 60)
         log.info("placement: buffer (pid %d): %s", self.placement["buffer"]["pid"], describe(self.placement["buffer"]))
+
+    async def _start_fleet(self, host: Any, num_hosts: int, hosts: list[int], placements: list,
+                           warm: str | None) -> None:
+        log.info("starting %d generator(s) on hosts %s; vLLM engines take a while to start",
+                 self.cfg.generator.num_generators, hosts)
         self.supervisor.install_fault_hook()
         await self.fleet.start(host, num_hosts, hosts, placements, warm)
 
