@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.config.errors import check
 
@@ -40,9 +41,10 @@ class TaskConfig:
     """pipeline.tasks.dataset: the column holding a worked solution, the demonstration of the warm start
     (run.warm_start_steps); empty: the task has none. GSM8K's answer column is one: solution_column=answer."""
     apply_chat_template: bool = False
-    """pipeline.tasks.dataset: send each string prompt as one user message ([{"role": "user", "content": prompt}]),
-    rendered by the checkpoint's chat template with the generation prompt, as a column of messages is; what
-    an instruct checkpoint such as Qwen3 was trained on. false: a string prompt is tokenized as it is."""
+    """pipeline.tasks.dataset, pipeline.tasks.reasoning_gym: send each string prompt as one user message
+    ([{"role": "user", "content": prompt}]), rendered by the checkpoint's chat template with the generation
+    prompt, as a column of messages is; what an instruct checkpoint such as Qwen3 was trained on. false: a
+    string prompt is tokenized as it is."""
     grader: str = "pipeline.tasks.graders.math"
     """pipeline.tasks.dataset: dotted path of `grade(completion, reference) -> float` (pipeline/tasks/graders.py:
     math, the boxed or last number checked with math-verify; exact, the exact string)."""
@@ -73,6 +75,21 @@ class TaskConfig:
     """Chat prompts (a task's prompt given as a list of messages): passed to the checkpoint's chat
     template as `enable_thinking` (Qwen3: false renders an empty think block, so the model answers
     at once); null (the default): not passed, the template's own default. Unused for str prompts."""
+    rg_dataset: str = ""
+    """pipeline.tasks.reasoning_gym: the reasoning-gym dataset by its registered name (basic_arithmetic,
+    chain_sum, leg_counting, ...); an unknown name fails when the task loads, listing the names."""
+    rg_config: dict[str, Any] = field(default_factory=dict)
+    """pipeline.tasks.reasoning_gym: fields of the dataset's own config dataclass (basic_arithmetic:
+    {min_terms: 2, max_terms: 3}; on the command line task.rg_config.min_terms=2); unnamed fields keep
+    the dataset's defaults. Not seed or size: task.seed and task.rg_size set them. A field the dataset's
+    config lacks, or a value its validate() refuses, fails when the task loads, naming the field."""
+    rg_size: int = 10000
+    """pipeline.tasks.reasoning_gym: train items, generated from task.seed (1..1000000); every process
+    that loads the task generates them all (the eval split: task.eval_prompts more, from a held-out seed)."""
+    rg_system_prompt: str = ""
+    """pipeline.tasks.reasoning_gym: a name in reasoning_gym.utils.SYSTEM_PROMPTS (default, simple, direct,
+    DeepSeekZero, chain_of_draft) sent as a system message before each question (with
+    task.apply_chat_template=false: written before it); empty: none, the user turn alone states the format."""
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")
@@ -91,6 +108,15 @@ class TaskConfig:
         check(1 <= self.max_total_tokens <= 131072, "task.max_total_tokens", self.max_total_tokens, "1..131072")
         check(1 <= self.max_obs_tokens <= 131072, "task.max_obs_tokens", self.max_obs_tokens, "1..131072")
         check(self.env_timeout_s > 0, "task.env_timeout_s", self.env_timeout_s, "> 0")
+        check(1 <= self.rg_size <= 1_000_000, "task.rg_size", self.rg_size, "1..1000000")
+        check(not self.rg_dataset or self.rg_dataset.isidentifier(), "task.rg_dataset", self.rg_dataset,
+              "a reasoning-gym dataset name like 'basic_arithmetic', or empty")
+        for key in self.rg_config:
+            check(isinstance(key, str) and key.isidentifier(), f"task.rg_config.{key}", self.rg_config[key],
+                  "a field of the dataset's config (a Python identifier)")
+            check(key not in ("seed", "size"), f"task.rg_config.{key}", self.rg_config[key],
+                  "not set here: task.seed seeds the train items (the eval items a held-out seed) and "
+                  "task.rg_size sizes the train split")
         for key in ("path", "eval_path"):
             value = getattr(self, key)
             if value:  # absolute: every process (generators, buffer) reads the same file whatever its cwd
