@@ -49,6 +49,3 @@ class HostPins:
         for lo in list(self._ranges):
             torch.cuda.cudart().cudaHostUnregister(lo)
             del self._ranges[lo]
-
-    def __len__(self) -> int:
-        return len(self._ranges)

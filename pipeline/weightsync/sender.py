@@ -120,7 +120,7 @@ class WeightSender:
             tensors = [tensors[e.name] for e in self.plan.entries]
         slot_idx = self._pushes % NUM_SLOTS
         slot = self.transport.slots[slot_idx]
-        if not slot.data.is_cuda and any(t.is_cuda for t in tensors[:1]):
+        if tensors and tensors[0].is_cuda and not slot.data.is_cuda:
             self._pins.pin(slot.data)  # once per slot; a refusal leaves it pageable
         t0 = time.perf_counter()
         seg.begin_write(slot.header)

@@ -258,7 +258,7 @@ class ShardPlan:
             raise PlanMismatchError(f"version {version}: rank {rank} passed {len(tensors)} tensors, its shard "
                                     f"plan {self.hash} holds {len(slots)} boxes")
         by_offset = {p.offset: p for p in self.pieces_of(rank)}
-        written, pending = 0, False
+        written, pending, pinned = 0, False, None
         for t, off in zip(tensors, slots):
             if off < 0:
                 continue
@@ -270,9 +270,10 @@ class ShardPlan:
             if src.is_cuda and not dst.is_cuda:
                 # cast where the data is (a CPU-side cast of device bytes runs at a few GB/s), then one
                 # DMA into page-locked slots (pinning.py), waited for once below
-                async_ok = dst.is_pinned()
-                dst.copy_(src.to(dst.dtype), non_blocking=async_ok)
-                pending |= async_ok
+                if pinned is None:  # one query for the whole slot, not one per tensor
+                    pinned = flat.is_pinned()
+                dst.copy_(src.to(dst.dtype), non_blocking=pinned)
+                pending |= pinned
             else:
                 dst.copy_(src)
             written += p.nbytes
