@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,14 +45,24 @@ def test_sync_mode_run_trains_every_sample_it_generates(tmp_path):
     """The synchronous baseline through the CLI: B groups on version v, train, push, and only then
     admit for v+1, so every generator serves the trainer's version at each step and nothing is dropped.
     The trainer runs tensor-parallel (2 ranks, trainer.tensor_parallel=2): each rank pushes its own
-    DTensor shards and the generators assemble them, and since every sample is on-policy the sampler's
-    probabilities of its tokens equal the trainer's (mismatch_max) after every sync."""
+    DTensor shards over the collective transport (a group per rank) and the generators assemble them,
+    and since every sample is on-policy the sampler's probabilities of its tokens equal the trainer's
+    (mismatch_max) after every sync. Every push is verified (weight_sync.verify=every): each rank
+    checksums only its own packed shards, and the driver adds their shares into the reference the
+    served tensors are checked against."""
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SMALL,
-                        "run.mode=sync", "trainer.num_ranks=2", "trainer.tensor_parallel=2", f"run.out_dir={out}"],
+                        "run.mode=sync", "trainer.num_ranks=2", "trainer.tensor_parallel=2",
+                        "weight_sync.transport=collective", "weight_sync.verify=every", "run.log_level=info",
+                        f"run.out_dir={out}"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     assert "== done: 3 steps" in p.stdout
+    pushes = json.loads((out / "summary.json").read_text())["pushes"]
+    assert pushes["started"] == pushes["verified"] >= 3, pushes
+    counts = re.findall(r"verified bit for bit on 1 generator\(s\): (\d+) tensors", p.stderr)
+    assert "trainer rank 1/2" in p.stderr and len(counts) == pushes["verified"], counts
+    assert len(set(counts)) == 1 and int(counts[0]) >= 10, counts
     _check_run_outputs(out, steps=3, max_staleness=0)
     rows = [r for r in _metrics(out) if "version/trainer" in r]
     assert [r["version/generator"] for r in rows] == [1, 2, 3]
@@ -67,13 +78,20 @@ def _alive(pid: int) -> bool:
     return procs.parent(pid) is not None
 
 
-def test_session_steps_the_pipeline_by_hand(tmp_path):
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the trainer, one for the rest")
+def test_session_steps_the_pipeline_by_hand_with_every_proc_pinned(tmp_path):
+    """The session API on a job whose procs are pinned (trainer.cpus=a, generator.cpus=buffer.cpus=b):
+    every proc and the generator's vLLM engine processes run on their cores (tests/test_placement.py's
+    assert_pinned), then a step, a push and the inspection calls by hand."""
     from pipeline.config import load_config
     from pipeline.session import Session
+    from tests.test_placement import assert_pinned, pinned_overrides
 
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [*SMALL, f"run.out_dir={tmp_path / 'session'}"])
+    cfg = load_config(REPO / "configs" / "tiny.yaml", [*SMALL, *pinned_overrides(), "generator.concurrency=2",
+                                                        f"run.out_dir={tmp_path / 'session'}"])
     s = Session.start(cfg)
     try:
+        assert_pinned(s.pipe.placement)
         assert s.versions() == {"trainer": 0, "generator0": 0}
         metrics = s.train_step()
         assert metrics["version/trainer"] == 1 and metrics["batch/tokens"] > 0

@@ -1,5 +1,6 @@
 """Placement (pipeline/placement.py): the pure rules on simulated hosts, the start-time check through
-the CLI, and one Job.start on real Monarch procs whose cores are read back from /proc."""
+the CLI, and the check of a real job's pinned procs, whose cores are read back from /proc (run in
+tests/test_pipeline.py's session test, on real Monarch procs and a vLLM engine)."""
 
 from __future__ import annotations
 
@@ -151,35 +152,28 @@ def _omp_binding(env: dict[str, str]) -> tuple[str, str]:
     return format_ids(int(c) for c in cores.replace(",", " ").split()), env.get("OMP_NUM_THREADS", "")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the trainer, one for the rest")
-def test_pipeline_start_pins_every_proc_and_the_vllm_engine_processes_to_their_cores(loop, tmp_path):
-    """Job.start with trainer.cpus=a, generator.cpus=b, buffer.cpus=b: every thread of every proc
+def pinned_overrides() -> list[str]:
+    """trainer.cpus=a, generator.cpus=b, buffer.cpus=b on a host's last and first core (two at least)."""
+    a, b = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
+    return [f"trainer.cpus={a}", f"generator.cpus={b}", f"buffer.cpus={b}", "run.allow_shared_cpus=true"]
+
+
+def assert_pinned(placed: dict) -> None:
+    """A job started with pinned_overrides() (tests/test_pipeline.py's session): every thread of every proc
     runs on its set, torch runs one thread per core, and the generator's engine core and vLLM worker
     (its children) inherit core b, the worker's OpenMP threads bound to it by vLLM."""
-    from pipeline.driver.job import Job
-    from pipeline.driver.shutdown import shut_down
-
     a, b = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
-    cfg = load_config(None, [f"trainer.cpus={a}", f"generator.cpus={b}", f"buffer.cpus={b}", "run.allow_shared_cpus=true",
-                             "generator.concurrency=2", f"run.out_dir={tmp_path}", "generator.start_timeout_s=600"])
-    pipe = Job(cfg)
-    try:
-        loop.run_until_complete(pipe.start())
-        placed = pipe.placement
-        assert sorted(placed) == ["buffer", "generator0", "trainer rank 0"], placed
-        want = {"trainer rank 0": str(a), "buffer": str(b), "generator0": str(b)}
-        for role, info in placed.items():
-            assert info["pinned"] and info["cpus"] == want[role] and info["threads"] == 1, info
-            assert _allowed(info["pid"]) == {want[role]}, (role, _allowed(info["pid"]))
-        assert placed["generator0"]["vllm_cpu_bind"] == str(b)
-        engine = procs.descendants(placed["generator0"]["pid"])
-        titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").strip()
-                  for pid, _ in engine}
-        assert any("EngineCore" in t for t in titles.values()), titles
-        workers = {pid: _omp_binding(_environ(pid)) for pid, _ in engine if "Worker" in titles[pid]}
-        assert workers and set(workers.values()) == {(str(b), "1")}, (titles, workers)  # vLLM bound them to b
-        for pid, _ in engine:
-            assert _allowed(pid) == {str(b)}, (titles[pid], _allowed(pid))
-    finally:
-        loop.run_until_complete(shut_down(pipe))
+    assert sorted(placed) == ["buffer", "generator0", "trainer rank 0"], placed
+    want = {"trainer rank 0": str(a), "buffer": str(b), "generator0": str(b)}
+    for role, info in placed.items():
+        assert info["pinned"] and info["cpus"] == want[role] and info["threads"] == 1, info
+        assert _allowed(info["pid"]) == {want[role]}, (role, _allowed(info["pid"]))
+    assert placed["generator0"]["vllm_cpu_bind"] == str(b)
+    engine = procs.descendants(placed["generator0"]["pid"])
+    titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").strip()
+              for pid, _ in engine}
+    assert any("EngineCore" in t for t in titles.values()), titles
+    workers = {pid: _omp_binding(_environ(pid)) for pid, _ in engine if "Worker" in titles[pid]}
+    assert workers and set(workers.values()) == {(str(b), "1")}, (titles, workers)  # vLLM bound them to b
+    for pid, _ in engine:
+        assert _allowed(pid) == {str(b)}, (titles[pid], _allowed(pid))
