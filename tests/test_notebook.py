@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import nbformat
+import pytest
 from ipykernel.kernelspec import write_kernel_spec
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
@@ -24,6 +25,7 @@ from nbformat.v4 import new_code_cell
 from pipeline import cleanup
 from pipeline.cleanup import SHM_DIR, creator_pid
 from pipeline.procs import alive, cmdline, descendants, start_time
+from tests.test_placement import assert_pinned, pinned_overrides
 
 from .conftest import REPO
 
@@ -67,12 +69,21 @@ class KernelTree:
         cleanup.sweep_segments(min_age_s=0, names=self.segments)
 
 
-def _notebook(out_dir: Path) -> nbformat.NotebookNode:
-    """The notebook with its out_dir set the way papermill sets parameters: a cell after theirs."""
+def _notebook(out_dir: Path, overrides: list[str]) -> nbformat.NotebookNode:
+    """The notebook with its parameters set the way papermill sets them (a cell after theirs), and a
+    cell before its last (`s.stop()`) that shows where the session's procs run and what calling an
+    endpoint an actor lacks says."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-    injected = new_code_cell(f"out_dir = {str(out_dir)!r}", metadata={"tags": ["injected-parameters"]})
+    injected = new_code_cell(f"out_dir = {str(out_dir)!r}\noverrides = {overrides!r}",
+                             metadata={"tags": ["injected-parameters"]})
     nb.cells.insert(at + 1, injected)
+    stop = next(i for i, c in enumerate(nb.cells) if c.get("id") == "stop")
+    placement = new_code_cell("try:\n    s.call('buffer', 'no_such_endpoint')\n    missing = None\n"
+                              "except ValueError as e:\n    missing = str(e)\n"
+                              "{'placement': s.pipe.placement, 'missing': missing}")
+    placement["id"] = "placement"
+    nb.cells.insert(stop, placement)
     return nb
 
 
@@ -90,12 +101,16 @@ def _printed(nb: nbformat.NotebookNode, cell_id: str, prefix: str) -> list:
     return [ast.literal_eval(line) for line in text.splitlines() if line.startswith(prefix)]
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the trainer, one for the rest")
 def test_session_notebook_steps_inspects_and_stops_on_a_real_kernel(tmp_path, monkeypatch):
+    """Its procs pinned (trainer.cpus=a, generator.cpus=buffer.cpus=b, as the notebook's `overrides`):
+    while the session runs, every proc and the generator's vLLM engine processes run on their cores
+    (tests/test_placement.py's assert_pinned, read from /proc)."""
     # A kernelspec of this interpreter (not whatever "python3" resolves to), found through JUPYTER_PATH.
     write_kernel_spec(tmp_path / "jupyter" / "kernels" / KERNEL)
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    nb = _notebook(tmp_path / "session")
+    nb = _notebook(tmp_path / "session", pinned_overrides())
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL, resources={"metadata": {"path": str(REPO)}})
     tree = None
     try:
@@ -107,6 +122,10 @@ def test_session_notebook_steps_inspects_and_stops_on_a_real_kernel(tmp_path, mo
                     if cell.cell_type == "code":
                         client.execute_cell(cell, i)
                         tree.look()
+                        if cell.get("id") == "placement":  # while the procs live
+                            shown = _result(nb, "placement")
+                            assert_pinned(shown["placement"])
+                            assert "no endpoint" in (shown["missing"] or ""), shown["missing"]
                 assert tree.tree, "the session started no process: the check below would prove nothing"
                 assert any("EngineCore" in c for c in tree.cmdlines.values()), "the engine core is part of the check"
                 assert any(n.startswith(cleanup.WS_PREFIX) for n in tree.segments), "weight-sync segments too"

@@ -1,6 +1,6 @@
 """The whole job through every real component: Monarch meshes, vLLM engine, torchtitan trainer,
-replay buffer, weight sync; launched from the CLI and the session (torchrun: tests/test_multinode.py and
-tests/test_signals.py)."""
+replay buffer, weight sync; launched from the CLI (the session: tests/test_notebook.py; torchrun:
+tests/test_multinode.py and tests/test_signals.py)."""
 
 from __future__ import annotations
 
@@ -76,35 +76,6 @@ def _descendants(pid: int) -> set[int]:
 
 def _alive(pid: int) -> bool:
     return procs.parent(pid) is not None
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the trainer, one for the rest")
-def test_session_steps_the_pipeline_by_hand_with_every_proc_pinned(tmp_path):
-    """The session API on a job whose procs are pinned (trainer.cpus=a, generator.cpus=buffer.cpus=b):
-    every proc and the generator's vLLM engine processes run on their cores (tests/test_placement.py's
-    assert_pinned), then a step, a push and the inspection calls by hand."""
-    from pipeline.config import load_config
-    from pipeline.session import Session
-    from tests.test_placement import assert_pinned, pinned_overrides
-
-    cfg = load_config(REPO / "configs" / "tiny.yaml", [*SMALL, *pinned_overrides(), "generator.concurrency=2",
-                                                        f"run.out_dir={tmp_path / 'session'}"])
-    s = Session.start(cfg)
-    try:
-        assert_pinned(s.pipe.placement)
-        assert s.versions() == {"trainer": 0, "generator0": 0}
-        metrics = s.train_step()
-        assert metrics["version/trainer"] == 1 and metrics["batch/tokens"] > 0
-        assert s.sync() > 0
-        assert s.versions() == {"trainer": 1, "generator0": 1}
-        stats = s.buffer_stats()
-        assert stats["trained_samples"] == cfg.buffer.batch_groups * cfg.buffer.group_size
-        assert stats["admitted_samples"] == stats["trained_samples"] + stats["dropped_samples"] + stats["held_samples"]
-        assert s.call("trainer", "version") == 1
-        with pytest.raises(ValueError, match="no endpoint"):
-            s.call("buffer", "no_such_endpoint")
-    finally:
-        s.stop()
 
 
 def test_checkpoint_then_resume_continues_versions_and_prompt_position(tmp_path):
