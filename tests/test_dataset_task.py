@@ -3,7 +3,7 @@
 dataset task with the math grader: tests/test_smollm2_run.py (the real SmolLM2 on the additions files,
 pass@k and mean@k beside the eval reward) and tests/test_family_engines.py (qwen2 on these files).
 
-    .venv/bin/python -m pytest -q tests/test_dataset_task.py -m "not slow"   # the unit tests, seconds
+    .venv/bin/python -m pytest -q tests/test_dataset_task.py   # seconds, no engine
 """
 
 from __future__ import annotations
@@ -265,9 +265,3 @@ def test_a_prompt_with_two_answers_fails_naming_both_rows(tmp_path):
     assert len(take(dataset_task(train), 0, "train", 9)) == 2  # an exact repeat is kept
     with pytest.raises(TaskError, match=re.escape(f"{ev} row 0: prompt 'Q?' has answer '2', but {train} row 0")):
         dataset_task(train, ev)
-
-
-# ---- one real run --------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
