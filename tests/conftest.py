@@ -300,18 +300,17 @@ def pytest_testnodedown(node, error):
 
 # ---------------------------------------------------------------- order: the slowest files first
 # Seconds per file in a run of the suite on this 2-core machine under two workers (`make test
-# PYTEST_ARGS=--durations=0`, 2026-11-27, summed per file; test_verify and test_sync_matrix less the
-# runs since merged away), rounded; a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
+# PYTEST_ARGS=--durations=0`, 2026-11-27, summed per file, less the runs since merged into others),
+# rounded; a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
-    "test_family_engines.py": 263, "test_chaos.py": 248, "test_pipeline.py": 228, "test_signals.py": 206,
-    "test_smollm2_run.py": 163, "test_multinode.py": 155, "test_verify.py": 146, "test_sync_matrix.py": 139,
-    "test_planner_run.py": 131, "test_learning_signal.py": 119, "test_reward_model.py": 117,
-    "test_generator.py": 110, "test_trainer.py": 93, "test_chat_prompts.py": 80, "test_dataset_task.py": 73,
-    "test_finite_tasks.py": 66, "test_faults.py": 64, "test_placement.py": 64, "test_notebook.py": 60,
-    "test_difficulty.py": 56, "test_bf16.py": 55, "test_multiturn.py": 31, "test_weightsync_vllm.py": 28,
-    "test_lora.py": 26, "test_smollm2.py": 25, "test_vllm_engine.py": 16,
+    "test_family_engines.py": 190, "test_signals.py": 170, "test_chaos.py": 160, "test_pipeline.py": 160,
+    "test_planner_run.py": 140, "test_sync_matrix.py": 140, "test_multinode.py": 150, "test_chat_prompts.py": 125,
+    "test_learning_signal.py": 120, "test_reward_model.py": 117, "test_smollm2_run.py": 110, "test_generator.py": 100,
+    "test_trainer.py": 95, "test_notebook.py": 85, "test_faults.py": 75, "test_difficulty.py": 70,
+    "test_verify.py": 70, "test_finite_tasks.py": 66, "test_bf16.py": 50, "test_multiturn.py": 35,
+    "test_lora.py": 30, "test_weightsync_vllm.py": 28, "test_smollm2.py": 26, "test_vllm_engine.py": 18,
 }
 
 

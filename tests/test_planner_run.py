@@ -21,7 +21,7 @@ from pipeline.sim import load_costs
 from tools.plan_validate import collect, compare
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 4
+STEPS = 3
 
 
 def test_short_real_pair_is_collected_and_compared(tmp_path):
