@@ -56,6 +56,12 @@ def cpu_seconds(pid: int) -> float | None:
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def state(pid: int) -> str | None:
+    """A live pid's state letter (R running, S sleeping, D waiting in the kernel, T stopped, ...), or None."""
+    st = _stat(pid)
+    return None if st is None else st[2]
+
+
 def cmdline(pid: int) -> str:
     """A process's command line (its first 160 characters), or "?" once it is gone: for messages
     that name what was left running."""

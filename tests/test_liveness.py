@@ -120,6 +120,34 @@ def test_cpu_use_tells_a_starved_engine_from_a_stopped_one():
     assert live.hung(6.5) is not None
 
 
+def test_an_engine_waiting_on_the_machine_is_not_hung_but_a_stopped_or_sleeping_one_is():
+    """No CPU and no progress past the bound: processes seen in state D (in the kernel: pages read back
+    when memory runs short, the default job's two false alarms beside the suite) wait on the machine
+    and are given up to WORKING_CAP_FACTOR x the bound; stopped (T, the SIGSTOP probe) or sleeping (S,
+    a deadlock) ones are hung at the bound, and the evidence names the states seen."""
+    from pipeline.generator.liveness import WORKING_CAP_FACTOR
+
+    def engine(states_at):
+        live = Liveness(6.0, 0.0, now=0.0)
+        live.added("a", 10, now=0.0)
+        t = 0.0
+        while t < 200.0:
+            live.cpu(0.0, now=t, states=states_at(t))
+            if (why := live.hung(t)) is not None:
+                return t, why
+            t += 0.5
+        return None, None
+
+    at, why = engine(lambda t: "TT")  # core and worker stopped
+    assert 6.0 < at <= 6.5 and "states seen: T" in why, (at, why)
+    at, why = engine(lambda t: "SS")
+    assert 6.0 < at <= 6.5 and "states seen: S" in why, (at, why)
+    at, why = engine(lambda t: "SD" if 3.0 <= t <= 9.0 else "SS")  # a page-in of 6 s, then asleep for good
+    assert 9.0 + 6.0 <= at <= 9.0 + 6.5, (at, why)  # hung once the wait left the window
+    at, why = engine(lambda t: "DS")  # waiting on the machine throughout: only the cap ends it
+    assert WORKING_CAP_FACTOR * 6.0 < at <= WORKING_CAP_FACTOR * 6.0 + 0.5 and "waiting on the machine" in why
+
+
 def test_a_stall_of_the_checking_process_restarts_the_clock_not_the_engine():
     """The check runs in the generator's process, which reads the engine's outputs: when that process
     itself did not run for 30 s (a loaded machine), the outputs of that time were never seen, and the

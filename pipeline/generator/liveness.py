@@ -11,6 +11,12 @@ a stopped or blocked one gets none (its waiting peer spins about a second, then 
 WORKING_CAP_FACTOR = 10.0
 """...but never more than this many times the bound without progress: a hang that spins (a GPU kernel
 waited on by a busy-polling thread) uses CPU too."""
+WAITING_STATES = frozenset("D")
+"""Process states (/proc/<pid>/stat) of an engine that waits on the machine, not on itself: `D`, in the
+kernel (a page read back from disk when memory runs short, as it did beside the suite here: two
+false alarms in the default job, 0.01 CPU s over 7.4 s). Seen in the window, the engine is given up to
+WORKING_CAP_FACTOR x the bound like a working one. A stopped process is `T` and a deadlocked one sleeps
+(`S`): neither is waiting, and both are hung at the bound."""
 
 
 def hang_bound(base_s: float, s_per_token: float, pending_prefill_tokens: int, slowest_gap_s: float = 0.0) -> float:
@@ -28,9 +34,10 @@ class Liveness:
     prompt tokens), `outputs` (a step's outputs: progress; a request's first output ends its
     prefill, a finished one leaves), `removed` (aborted), `paused` / `resumed`, and `call_began` /
     `call_ended` around a watched control call (its answer is progress); `cpu` (the CPU seconds its
-    processes have used so far, sampled by the engine's check). `hung(now)` is the evidence when the
-    engine has work and no progress within `bound()` while its processes used (almost) no CPU over
-    that window, or no progress within WORKING_CAP_FACTOR x `bound()` whatever they used; else None.
+    processes have used so far, and their states, sampled by the engine's check). `hung(now)` is the
+    evidence when the engine has work and no progress within `bound()` while its processes used
+    (almost) no CPU over that window and were never seen waiting on the machine (WAITING_STATES), or
+    no progress within WORKING_CAP_FACTOR x `bound()` whatever they did; else None.
     Without CPU samples the bound alone decides. Pure logic: the clock is passed in.
 
     Example:
@@ -51,6 +58,7 @@ class Liveness:
         self.last = now
         self.gaps: list[float] = []
         self.cpu_samples: list[tuple[float, float]] = []  # (time, CPU seconds used so far), oldest first
+        self.state_samples: list[tuple[float, str]] = []  # (time, the processes' states then), oldest first
 
     @property
     def busy(self) -> bool:
@@ -110,12 +118,20 @@ class Liveness:
         self.last = now
         return True
 
-    def cpu(self, cpu_s: float, now: float) -> None:
-        """The engine's processes have used `cpu_s` CPU seconds in all (a running total)."""
+    def cpu(self, cpu_s: float, now: float, states: str = "") -> None:
+        """The engine's processes have used `cpu_s` CPU seconds in all (a running total); `states`:
+        their /proc states now, one letter each (R, S, D, T, ...)."""
         self.cpu_samples.append((now, cpu_s))
+        self.state_samples.append((now, states))
         keep = now - WORKING_CAP_FACTOR * self.bound() - 1.0  # the windows asked about never reach further
         while len(self.cpu_samples) > 2 and self.cpu_samples[1][0] <= keep:
             self.cpu_samples.pop(0)
+        while self.state_samples and self.state_samples[0][0] < keep:
+            self.state_samples.pop(0)
+
+    def states_seen(self, now: float, window: float) -> str:
+        """Every process state sampled over the last `window` seconds, sorted, once each."""
+        return "".join(sorted({s for t, states in self.state_samples if t >= now - window for s in states}))
 
     def cpu_used(self, now: float, window: float) -> float | None:
         """CPU seconds used over the last `window` seconds, or None without a sample that old."""
@@ -135,13 +151,17 @@ class Liveness:
         if age <= bound:
             return None
         used = self.cpu_used(now, bound)
+        seen = self.states_seen(now, bound)
         working = used is not None and used > CPU_BUSY_FRAC * bound
-        if working and age <= WORKING_CAP_FACTOR * bound:
+        waiting = bool(WAITING_STATES & set(seen))
+        if (working or waiting) and age <= WORKING_CAP_FACTOR * bound:
             return None
         pending = sum(self.prefill.values())
         calls = ", ".join(sorted(set(self.calls.values()))) or "none"
+        doing = "working" if working else "waiting on the machine (state D)"
         cpu = ("" if used is None else f"its processes used {used:.2f} CPU s in the last {bound:.1f}s"
-               + (f" (working, but past {WORKING_CAP_FACTOR:g} x the bound)" if working else "") + "; ")
+               + (f" (states seen: {seen})" if seen else "")
+               + (f" ({doing}, but past {WORKING_CAP_FACTOR:g} x the bound)" if working or waiting else "") + "; ")
         return (f"the vLLM engine is hung: no progress for {age:.1f}s (bound {bound:.1f}s: "
                 f"generator.hang_timeout_s={self.base_s:g} + {pending} prompt tokens awaiting prefill x "
                 f"generator.hang_s_per_token={self.s_per_token:g}, slowest recent gap "
