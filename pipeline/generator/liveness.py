@@ -13,8 +13,9 @@ WORKING_CAP_FACTOR = 10.0
 waited on by a busy-polling thread) uses CPU too."""
 WAITING_STATES = frozenset("D")
 """Process states (/proc/<pid>/stat) of an engine that waits on the machine, not on itself: `D`, in the
-kernel (a page read back from disk when memory runs short, as it did beside the suite here: two
-false alarms in the default job, 0.01 CPU s over 7.4 s). Seen in the window, the engine is given up to
+kernel (a page read back from disk when memory runs short: the likely cause of two false alarms of
+the default job beside the suite here, 0.01 CPU s over 7.4 s; their states were not recorded then,
+the evidence names them now). Seen in the window, the engine is given up to
 WORKING_CAP_FACTOR x the bound like a working one. A stopped process is `T` and a deadlocked one sleeps
 (`S`): neither is waiting, and both are hung at the bound."""
 
