@@ -47,19 +47,14 @@ def start_time(pid: int) -> int | None:
     return st[1] if st is not None and st[2] != "Z" else None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """CPU seconds (user + system) a live pid has used so far, or None once it is gone."""
+def usage(pid: int) -> tuple[float, str] | None:
+    """(CPU seconds, user + system, a live pid has used so far; its state letter: R running, S sleeping,
+    D waiting in the kernel, T stopped, ...), from one read of /proc, or None once it is gone."""
     fields = _fields(pid)
-    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICKS
+    return None if fields is None else ((int(fields[11]) + int(fields[12])) / _TICKS, fields[0])
 
 
 _TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def state(pid: int) -> str | None:
-    """A live pid's state letter (R running, S sleeping, D waiting in the kernel, T stopped, ...), or None."""
-    st = _stat(pid)
-    return None if st is None else st[2]
 
 
 def cmdline(pid: int) -> str:

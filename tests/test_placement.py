@@ -1,6 +1,6 @@
 """Placement (pipeline/placement.py): the pure rules on simulated hosts, the start-time check through
 the CLI, and the check of a real job's pinned procs, whose cores are read back from /proc (run in
-tests/test_pipeline.py's session test, on real Monarch procs and a vLLM engine)."""
+tests/test_notebook.py's session, on real Monarch procs and a vLLM engine)."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def pinned_overrides() -> list[str]:
 
 
 def assert_pinned(placed: dict) -> None:
-    """A job started with pinned_overrides() (tests/test_pipeline.py's session): every thread of every proc
+    """A job started with pinned_overrides() (tests/test_notebook.py's session): every thread of every proc
     runs on its set, torch runs one thread per core, and the generator's engine core and vLLM worker
     (its children) inherit core b, the worker's OpenMP threads bound to it by vLLM."""
     a, b = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))

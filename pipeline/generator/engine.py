@@ -315,10 +315,9 @@ class Engine:
             if self.live.stalled(late, tick):
                 log.warning("generator %d: this process did not run for %.1fs (a loaded machine?); the "
                             "engine's liveness clock restarts", self.gid, late)
-            used = [procs.cpu_seconds(pid) for pid in tree]
-            states = [procs.state(pid) for pid in tree]
-            if tree and None not in used and None not in states:  # one gone: its death is the sentinel's
-                self.live.cpu(sum(used), tick, "".join(states))
+            seen = [procs.usage(pid) for pid in tree]
+            if tree and None not in seen:  # one gone: its death is the sentinel's to report
+                self.live.cpu(sum(c for c, _ in seen), tick, "".join(s for _, s in seen))
             if (why := self.live.hung(tick)) is not None:
                 if not self._hung.done():
                     self._hung.set_result(why)

@@ -58,8 +58,7 @@ class Liveness:
         self.calls: dict[int, str] = {}  # watched control calls outstanding: id -> what
         self.last = now
         self.gaps: list[float] = []
-        self.cpu_samples: list[tuple[float, float]] = []  # (time, CPU seconds used so far), oldest first
-        self.state_samples: list[tuple[float, str]] = []  # (time, the processes' states then), oldest first
+        self.samples: list[tuple[float, float, str]] = []  # (time, CPU seconds used so far, states), oldest first
 
     @property
     def busy(self) -> bool:
@@ -122,24 +121,21 @@ class Liveness:
     def cpu(self, cpu_s: float, now: float, states: str = "") -> None:
         """The engine's processes have used `cpu_s` CPU seconds in all (a running total); `states`:
         their /proc states now, one letter each (R, S, D, T, ...)."""
-        self.cpu_samples.append((now, cpu_s))
-        self.state_samples.append((now, states))
+        self.samples.append((now, cpu_s, states))
         keep = now - WORKING_CAP_FACTOR * self.bound() - 1.0  # the windows asked about never reach further
-        while len(self.cpu_samples) > 2 and self.cpu_samples[1][0] <= keep:
-            self.cpu_samples.pop(0)
-        while self.state_samples and self.state_samples[0][0] < keep:
-            self.state_samples.pop(0)
+        while len(self.samples) > 2 and self.samples[1][0] <= keep:
+            self.samples.pop(0)
 
     def states_seen(self, now: float, window: float) -> str:
         """Every process state sampled over the last `window` seconds, sorted, once each."""
-        return "".join(sorted({s for t, states in self.state_samples if t >= now - window for s in states}))
+        return "".join(sorted({s for t, _, states in self.samples if t >= now - window for s in states}))
 
     def cpu_used(self, now: float, window: float) -> float | None:
         """CPU seconds used over the last `window` seconds, or None without a sample that old."""
-        start = [c for t, c in self.cpu_samples if t <= now - window]
-        if not start or not self.cpu_samples:
+        start = [c for t, c, _ in self.samples if t <= now - window]
+        if not start:
             return None
-        return self.cpu_samples[-1][1] - start[-1]
+        return self.samples[-1][1] - start[-1]
 
     def bound(self) -> float:
         return hang_bound(self.base_s, self.s_per_token, sum(self.prefill.values()), max(self.gaps, default=0.0))
