@@ -123,9 +123,9 @@ def generator_placements(cfg: Config, generator_hosts: Sequence[int], trainer_pe
                 gpus, key = gpu_ids[k * tp:(k + 1) * tp], "generator.devices"
             else:
                 gpus = tuple(range(first_gpu + k * tp, first_gpu + (k + 1) * tp))
-        # No OMP_NUM_THREADS: the engine core inherits this proc's environment and would then keep that
-        # many torch threads for its scheduler loop instead of 1 (vllm.utils.torch_utils); vLLM sets
-        # its CPU worker's thread count from the bind.
+        # No OMP_NUM_THREADS: the model's thread count comes from the bind, set by vLLM for a worker
+        # process of its own or by pipeline/generator/llm.py for a worker in the engine core; with a
+        # separate worker the core would otherwise keep that many torch threads for its scheduler loop.
         out.append(Placement(f"generator{i}", cpus, "generator.cpus", len(cpus), omp_env=False,
                              vllm_cpu_bind=bind, gpus=gpus, gpus_key=key))
     return out

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import Config, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from actors.trainer import Trainer
-from pipeline.generator.engine import stop_engine
+from pipeline.generator.llm import stop_engine
 from pipeline.model import build_model, export_hf, model_dir, token_logprobs
 from pipeline.tokens import load_tokenizer
 from pipeline.trainer.parallel import local, resharded
@@ -264,7 +264,7 @@ def test_vllm_serves_exactly_the_bf16_cast_of_the_master(restored_environ, one_r
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc carries `served` below
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from pipeline.generator.llm import start_llm
 
     core = TrainCore(bf16_cfg(lr=1e-3))
     steps(core, 3)
@@ -273,7 +273,7 @@ def test_vllm_serves_exactly_the_bf16_cast_of_the_master(restored_environ, one_r
                            **vllm_engine_kwargs())
 
     async def start():
-        return AsyncLLM.from_engine_args(args)
+        return start_llm(args)
 
     llm = loop.run_until_complete(start())
     ids = load_tokenizer(tiny_dir)(PROMPT + COMPLETION)["input_ids"]

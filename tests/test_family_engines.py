@@ -77,14 +77,14 @@ def family_cfg(family: str, **trainer) -> Config:
 
 
 def start_engine(cfg: Config, loop):
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from pipeline.generator.llm import start_llm
 
-    from pipeline.generator.engine import engine_args
+    from pipeline.generator.llm import engine_args
     from pipeline.weightsync import vllm_engine_kwargs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     args = engine_args(cfg, cfg.model.hf_dir, 0, vllm_engine_kwargs())
-    return loop.run_until_complete(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+    return loop.run_until_complete(asyncio.to_thread(start_llm, args))
 
 
 def check_greedy_and_logprobs(loop, llm, model, tok) -> dict:
@@ -119,7 +119,7 @@ def test_qwen2_engine_serves_the_checkpoint_and_the_trainers_logprobs(restored_e
     served tensors, the fused qkv weight and bias among them, are the checkpoint's HF tensors bit for bit."""
     from safetensors.torch import load_file
 
-    from pipeline.generator.engine import stop_engine
+    from pipeline.generator.llm import stop_engine
     from pipeline.weightsync import checksum
     from pipeline.weightsync.served import KERNEL
     from pipeline.weightsync.verify import check, served_checksums
@@ -159,7 +159,7 @@ def test_llama_engine_serves_the_trainers_logprobs_and_a_pushed_adapter_the_merg
     from transformers import AutoModelForCausalLM
 
     from pipeline.config import WeightSyncConfig
-    from pipeline.generator.engine import stop_engine
+    from pipeline.generator.llm import stop_engine
     from pipeline.weightsync import WeightReceiver, WeightSender, load_lora_into_vllm
 
     cfg = family_cfg("llama", lora=LORA)

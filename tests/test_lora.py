@@ -104,10 +104,10 @@ def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir
     previous adapter's directory stays for a request still naming it; the generator's Engine removes it at the
     next update)."""
     from vllm import SamplingParams, TokensPrompt
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from pipeline.generator.llm import start_llm
 
     from pipeline.config import WeightSyncConfig
-    from pipeline.generator.engine import engine_args, stop_engine
+    from pipeline.generator.llm import engine_args, stop_engine
     from pipeline.weightsync import WeightReceiver, WeightSender, load_lora_into_vllm, vllm_engine_kwargs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -126,7 +126,7 @@ def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir
         return torch.tensor([out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))])
 
     async def go():
-        llm = AsyncLLM.from_engine_args(engine_args(cfg, tiny_dir, 0, vllm_engine_kwargs()))
+        llm = start_llm(engine_args(cfg, tiny_dir, 0, vllm_engine_kwargs()))
         sender = WeightSender(WeightSyncConfig(transport="shm", timeout_s=60), core.state.hf_meta(), num_receivers=1)
         receiver = WeightReceiver(sender.handle(), rank=0)
         res, req = [], None

@@ -160,8 +160,8 @@ def pinned_overrides() -> list[str]:
 
 def assert_pinned(placed: dict) -> None:
     """A job started with pinned_overrides() (tests/test_notebook.py's session): every thread of every proc
-    runs on its set, torch runs one thread per core, and the generator's engine core and vLLM worker
-    (its children) inherit core b, the worker's OpenMP threads bound to it by vLLM."""
+    runs on its set, torch runs one thread per core, and the generator's engine core (its child, with
+    vLLM's worker inside) inherits core b, its OpenMP threads bound to b as vLLM binds a worker's."""
     a, b = max(os.sched_getaffinity(0)), min(os.sched_getaffinity(0))
     assert sorted(placed) == ["buffer", "generator0", "trainer rank 0"], placed
     want = {"trainer rank 0": str(a), "buffer": str(b), "generator0": str(b)}
@@ -173,7 +173,10 @@ def assert_pinned(placed: dict) -> None:
     titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").strip()
               for pid, _ in engine}
     assert any("EngineCore" in t for t in titles.values()), titles
-    workers = {pid: _omp_binding(_environ(pid)) for pid, _ in engine if "Worker" in titles[pid]}
-    assert workers and set(workers.values()) == {(str(b), "1")}, (titles, workers)  # vLLM bound them to b
+    # the model runs in the engine core (generator.cpu_executor=auto: vLLM's worker in the core), bound to b
+    # exactly as vLLM binds a worker process of its own; with cpu_executor=mp it is the Worker process
+    workers = {pid: _omp_binding(_environ(pid)) for pid, _ in engine if "EngineCore" in titles[pid]}
+    assert not any("Worker" in t for t in titles.values()), titles
+    assert workers and set(workers.values()) == {(str(b), "1")}, (titles, workers)
     for pid, _ in engine:
         assert _allowed(pid) == {str(b)}, (titles[pid], _allowed(pid))

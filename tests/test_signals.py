@@ -139,10 +139,12 @@ def test_ctrl_c_to_the_process_group_runs_the_shutdown_and_leaves_no_process_seg
     runs (engines, then every proc mesh), exit 130, and not one process or /dev/shm segment of the run
     is left. Mid-run, the run's own processes listen on loopback only (a default single-host run: shm
     weight sync, unix-socket Monarch). SIGTERM to the controller takes the same path (exit 143): the
-    torchrun case below, and the stand-ins after it."""
+    torchrun case below, and the stand-ins after it. The engine runs vLLM's worker as a process of its
+    own (generator.cpu_executor=mp, vLLM's CPU default; every other run here has it in the engine core),
+    so the shared-memory queues between core and worker (psm_*) are among what must not be left."""
     out = tmp_path / "run"
     run = Watched([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", *SHORT,
-                   f"run.out_dir={out}"], tmp_path / "run.log")
+                   "generator.cpu_executor=mp", f"run.out_dir={out}"], tmp_path / "run.log")
     try:
         run.wait_for_training(out)
         socks = _listeners(run.pids())
@@ -150,6 +152,7 @@ def test_ctrl_c_to_the_process_group_runs_the_shutdown_and_leaves_no_process_seg
         public = [s + (cmdline(s[3]),) for s in socks if not _loopback(s[1])]
         assert not public, f"listening beyond loopback: {public}"
         assert any("EngineCore" in cmdline(p) for p in run.pids()), "the engine core is part of the check"
+        assert any("VLLM::Worker" in cmdline(p) for p in run.pids()), "generator.cpu_executor=mp: a worker process"
         assert any(n.startswith("psm_") for n in run.segments) and any(n.startswith("mrl-ws-") for n in run.segments)
         os.killpg(run.proc.pid, signal.SIGINT)
         assert run.wait(240) == 130, run.text()[-4000:]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pipeline.config import Config, ModelConfig, TrainerConfig, WeightSyncConfig
-from pipeline.generator.engine import stop_engine
+from pipeline.generator.llm import stop_engine
 from pipeline.models.qwen3_checkpoint import ensure_checkpoint, qwen3_config
 from pipeline.trainer.step import TrainCore
 from pipeline.weightsync import (WeightLoadError, WeightReceiver, WeightSender, load_into_vllm, load_shadow,
@@ -53,13 +53,13 @@ def test_engine_serves_the_push_bit_for_bit_and_names_a_corrupted_tensor(restore
                                                                          loop):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc carries flip_one_bit
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from pipeline.generator.llm import start_llm
 
     core = TrainCore(Config(model=ModelConfig(hf_dir=str(qwen_dir), dtype="bfloat16"), trainer=TrainerConfig(lr=1e-3)))
     core.train_step(make_batch(core.model, mu_noise=0.1))  # weights the checkpoint does not hold
     args = AsyncEngineArgs(model=str(qwen_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
                            **vllm_engine_kwargs())
-    llm = loop.run_until_complete(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+    llm = loop.run_until_complete(asyncio.to_thread(start_llm, args))
     sender = WeightSender(WeightSyncConfig(transport="shm", bucket_mb=16, timeout_s=60), core.state.hf_meta(), 1)
     receiver = WeightReceiver(sender.handle(), rank=0)
 

@@ -17,7 +17,7 @@ import torch
 from pipeline.config import WeightSyncConfig
 from pipeline.model import build_model, export_hf, token_logprobs
 from pipeline.tokens import load_tokenizer
-from pipeline.generator.engine import stop_engine
+from pipeline.generator.llm import stop_engine
 from pipeline.weightsync import (VersionRegressionError, WeightLoadError, WeightReceiver, WeightSender,
                                  load_into_vllm, vllm_engine_kwargs)
 from pipeline.weightsync.load import INVALID_PREFIX
@@ -31,13 +31,13 @@ COMPLETION = "dlrow olleh"
 def engine(tiny_dir, loop):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from pipeline.generator.llm import start_llm
 
     args = AsyncEngineArgs(model=str(tiny_dir), dtype="float32", enforce_eager=True, max_model_len=256,
                            seed=0, **vllm_engine_kwargs())
 
     async def start():
-        return AsyncLLM.from_engine_args(args)
+        return start_llm(args)
 
     llm = loop.run_until_complete(start())
     yield llm

@@ -104,15 +104,14 @@ async def run_bare(cfg, items: list[PromptItem], group: int, rounds: int) -> lis
     """tokens/s of a bare AsyncLLM at the same concurrency, same sampling, same logprobs."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
+    from pipeline.generator.llm import engine_args, start_llm, stop_engine, worker_in_core
     from pipeline.model import model_dir
     from pipeline.tokens import encode_prompt, load_tokenizer
-    from pipeline.generator.engine import engine_args, stop_engine
 
     hf_dir = model_dir(cfg.model)
     tok = load_tokenizer(hf_dir)
-    engine = AsyncLLM.from_engine_args(engine_args(cfg, hf_dir, seed=0))
+    engine = start_llm(engine_args(cfg, hf_dir, seed=0), worker_in_core(cfg))  # as the actor's engine
     g = cfg.generator
     sp = SamplingParams(max_tokens=g.max_new_tokens, temperature=g.temperature, top_p=1.0, logprobs=0, ignore_eos=True,
                         output_kind=RequestOutputKind.FINAL_ONLY)

@@ -102,14 +102,14 @@ class Busy:
 
 async def run_size(size: str, reps: int) -> list[dict]:
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from pipeline.generator.llm import start_llm
 
-    from pipeline.generator.engine import stop_engine
+    from pipeline.generator.llm import stop_engine
 
     hf_dir, dtype, max_len = model_dir(size)
     sd = state_dict(hf_dir)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
+    llm = start_llm(AsyncEngineArgs(
         model=hf_dir, dtype=dtype, enforce_eager=True, max_model_len=max_len, enable_prefix_caching=False, seed=0,
         **vllm_engine_kwargs()))
     sender = WeightSender(WeightSyncConfig(transport="shm", bucket_mb=64, timeout_s=600), sd, num_receivers=1)

@@ -136,10 +136,10 @@ class BenchReceiver(Actor):
     @endpoint
     async def start_engine(self, hf_dir: str) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from pipeline.generator.llm import start_llm
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # built as a generator with on_update=keep is (no prefix caching), so requests can stay paused
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        self.engine = start_llm(AsyncEngineArgs(
             model=hf_dir, dtype="float32", enforce_eager=True, max_model_len=256, enable_prefix_caching=False,
             **vllm_engine_kwargs()))
         self._seq = 0
@@ -156,7 +156,7 @@ class BenchReceiver(Actor):
     @endpoint
     async def stop_engine(self) -> None:
         if self.engine is not None:
-            from pipeline.generator.engine import stop_engine
+            from pipeline.generator.llm import stop_engine
 
             stop_engine(self.engine)
             self.engine = None

@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -46,8 +45,9 @@ import tempfile
 import time
 from typing import Callable
 
-from pipeline import cleanup, procs
+from pipeline import procs
 from pipeline.generator.liveness import SLOW_GAP_FACTOR, Liveness, hang_bound  # noqa: F401  (re-exported)
+from pipeline.generator.llm import core_processes, engine_args, start_llm, stop_engine, worker_in_core  # noqa: F401
 from pipeline.config import Config
 from pipeline.lora import remove_dir
 from pipeline.model import model_dir
@@ -108,106 +108,6 @@ class Fault:
         return str(self.error)
 
 
-def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
-    """AsyncEngineArgs for one generator engine; CPU and GPU differ only in these fields."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    g = cfg.generator
-    kw = dict(model=str(hf_dir), tokenizer=str(hf_dir), dtype=cfg.model.dtype, seed=seed,
-              tensor_parallel_size=g.tensor_parallel_size, max_model_len=g.max_model_len,
-              max_num_seqs=max(g.concurrency, 8), logprobs_mode=f"{g.logprobs_mode}_logprobs",
-              enable_prefix_caching=g.on_update != "keep", enforce_eager=g.engine == "vllm-cpu",
-              use_tqdm_on_load=cfg.run.log_level in ("debug", "info"))  # a progress bar per engine start
-    if g.engine == "vllm":
-        kw["gpu_memory_utilization"] = g.gpu_memory_utilization
-    else:  # a split prefill rewinds a seeded request's generator, which a CPU generator cannot do: the
-        # engine core dies on seeded eval sampling once more prompt tokens wait than one step takes
-        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(g.max_model_len, 2048))
-    if cfg.trainer.lora.rank:  # every version is an adapter of its own (pipeline/lora.py); two live at a switch
-        kw.update(enable_lora=True, max_lora_rank=cfg.trainer.lora.rank, max_loras=2, max_cpu_loras=2)
-    kw.update(extra or {})
-    return AsyncEngineArgs(**kw)
-
-
-def _core_processes(llm) -> list:
-    """The engine core processes vLLM started for `llm` (multiprocessing.Process objects)."""
-    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
-    return list(getattr(getattr(resources, "engine_manager", None), "processes", []))
-
-
-def stop_engine(engine) -> None:
-    """Stop a vLLM AsyncLLM at once (call it off the engine's event loop, or with that loop idle). Its
-    output handler is cancelled first; its core and worker hold nothing to flush, so they are killed
-    outright instead of vLLM's graceful stop (SIGTERM, then up to 5 s for the core and more for its
-    worker: most of a run's shutdown); the shared-memory queues they held are unlinked once nobody
-    maps them, as vLLM's own exit would, and this process's resource tracker forgets them."""
-    handler = getattr(engine, "output_handler", None)  # would log the killed core as a failure
-    loop = handler.get_loop() if handler is not None else None
-    try:
-        on_loop = loop is not None and asyncio.get_running_loop() is loop
-    except RuntimeError:
-        on_loop = False
-    # the loop runs in another thread (the engine driven through asyncio.to_thread): vLLM's shutdown
-    # hands the socket closes to that loop, which runs them; otherwise they are closed here
-    loop_elsewhere = loop is not None and not on_loop and not loop.is_closed() and loop.is_running()
-    if handler is not None and not handler.done() and not loop.is_closed():
-        if on_loop:  # the cancellation runs once this coroutine yields
-            handler.cancel()
-        elif not loop.is_running():  # an idle loop (a test fixture's teardown): run the cancellation now,
-            handler.cancel()  # or the task outlives the loop and the engine with it ("Task was destroyed")
-            other_loop = False
-            try:
-                asyncio.get_running_loop()
-                other_loop = True  # this thread runs another loop: the cancellation runs when that one does
-            except RuntimeError:
-                pass
-            if not other_loop and not handler.done():
-                with contextlib.suppress(Exception):
-                    loop.run_until_complete(asyncio.wait([handler], timeout=2.0))
-        else:  # called off the loop (asyncio.to_thread): the loop runs the cancellation now
-            loop.call_soon_threadsafe(handler.cancel)
-            deadline = time.monotonic() + 2.0
-            while not handler.done() and time.monotonic() < deadline:
-                time.sleep(0.005)  # another thread's loop: nothing here to await
-    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
-    # live children of this process only: a core that died was reaped by vLLM, and its pid may be reused
-    cores = [p.pid for p in _core_processes(engine)
-             if getattr(p, "pid", None) and p.exitcode is None and procs.parent(p.pid) == os.getpid()]
-    if resources is not None:  # vLLM's liveness monitor then takes the kill for a shutdown, not a crash
-        resources.engine_dead = True
-    tree = [(pid, st) for pid in cores if (st := procs.start_time(pid)) is not None]
-    tree += [d for pid, _ in tree for d in procs.descendants(pid)]
-    held = cleanup.held_by(pid for pid, _ in tree)
-    procs.kill(tree)
-    deadline = time.monotonic() + 5.0  # a killed process holds its mappings until it exits
-    while any(procs.alive(p) for p in tree) and time.monotonic() < deadline:
-        time.sleep(0.02)  # other processes' exits: no event to wait on from this thread
-    engine.shutdown()
-    if not loop_elsewhere:
-        _close_client(engine, resources)
-    cleanup.untrack(cleanup.unlink_orphaned(held))
-
-
-def _close_client(engine, resources) -> None:
-    """Close the engine client's ZMQ sockets and terminate its context. vLLM's shutdown queues the
-    socket closes on the engine's event loop when called off it; a loop that never runs again (a
-    fixture's, idle) leaves them open, and the context, once garbage-collected, then blocks its
-    collector forever in zmq_ctx_term (whatever code happened to trigger that collection). Every
-    socket the client made is in its context's (or the asyncio shadow's) socket set."""
-    if resources is None:
-        return
-    ctx = getattr(resources, "ctx", None)
-    contexts = [c for c in (getattr(getattr(engine, "engine_core", None), "ctx", None), ctx) if c is not None]
-    for c in contexts:
-        for sock in list(getattr(c, "_sockets", ()) or ()):
-            if not sock.closed:
-                with contextlib.suppress(Exception):
-                    sock.close(linger=0)
-    if ctx is not None and not ctx.closed:
-        with contextlib.suppress(Exception):
-            ctx.destroy(linger=0)
-
-
 class Engine:
     """See the module docstring. `llm` is the AsyncLLM (None before `start` and after `stop`), `tok`
     its tokenizer and `special` the checkpoint's special ids (pipeline/tokens.py); `lora_request` the
@@ -231,15 +131,13 @@ class Engine:
         self._calls = 0  # ids of watched control calls
 
     async def start(self, extra_engine_kwargs: dict | None, version: int) -> dict:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         hf_dir = model_dir(self.cfg.model)
         if self.g.engine == "vllm-cpu":
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self.g.kv_cache_gib)
         args = engine_args(self.cfg, hf_dir, self.cfg.run.seed + self.gid, extra_engine_kwargs)
         t0 = time.monotonic()
         try:  # the constructor blocks while the engine-core process starts
-            self.llm = await asyncio.wait_for(asyncio.to_thread(AsyncLLM.from_engine_args, args),
+            self.llm = await asyncio.wait_for(asyncio.to_thread(start_llm, args, worker_in_core(self.cfg)),
                                               self.g.start_timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"generator {self.gid}: vLLM engine did not start within "
@@ -258,7 +156,7 @@ class Engine:
         copy of each descriptor, so vLLM closing its own can never leave a stale one in the selector."""
         loop = asyncio.get_running_loop()
         self._died = loop.create_future()
-        for p in _core_processes(self.llm):
+        for p in core_processes(self.llm):
             fd = os.dup(p.sentinel)
             self._watched.append(fd)
             loop.add_reader(fd, self._core_died, p)
@@ -303,7 +201,7 @@ class Engine:
 
     async def _check_liveness(self) -> None:
         period = min(0.5, self.g.hang_timeout_s / 4)
-        cores = [p.pid for p in _core_processes(self.llm) if getattr(p, "pid", None)]
+        cores = [p.pid for p in core_processes(self.llm) if getattr(p, "pid", None)]
         tree = [*cores, *(pid for c in cores for pid, _ in procs.descendants(c))]  # core and its workers
         tick = time.monotonic()
         while True:

@@ -1,0 +1,162 @@
+"""The vLLM engine itself: its arguments, its start (with its worker in the engine core on CPU), and its
+outright stop.
+
+Contract:
+  * `engine_args(cfg, hf_dir, seed)` is the AsyncEngineArgs of one generator engine; CPU and GPU differ
+    only in the fields it sets.
+  * `start_llm(args, worker_in_core)` builds the AsyncLLM. On CPU with one tensor-parallel rank and
+    `worker_in_core` (generator.cpu_executor, "auto" or "uni"), vLLM's worker runs inside its engine-core
+    process (UniProcExecutor) instead of a third process of its own: the engine is two processes, not
+    three, and starts with one import of torch and vLLM fewer (on 2 cores: 25 -> 14 s wall, 26 -> 14 CPU s
+    for the tiny model). vLLM's CPU platform turns the "uni" backend into "mp" because it cannot set
+    OpenMP's environment for a worker in an already started process; here the core is started with the
+    environment vLLM's multiprocess executor would give its worker (`OMPProcessManager`: the cores of
+    VLLM_CPU_OMP_THREADS_BIND, or its auto choice, as OMP_NUM_THREADS and the OpenMP affinity
+    variables), so the core's OpenMP threads are bound exactly as that worker's were. Everywhere else
+    (GPU, tensor_parallel_size > 1, generator.cpu_executor=mp) vLLM chooses as it always does.
+  * `core_processes(llm)` are the engine-core processes (multiprocessing.Process objects).
+  * `stop_engine(llm)` kills core and worker outright and unlinks the shared memory they held.
+
+Example:
+    args = engine_args(cfg, model_dir(cfg.model), seed=0, extra=vllm_engine_kwargs())
+    llm = start_llm(args, worker_in_core(cfg))        # blocks while the core starts: call it in a thread
+    ...
+    stop_engine(llm)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from multiprocessing import resource_tracker
+
+from pipeline import cleanup, procs
+from pipeline.config import Config
+
+
+def worker_in_core(cfg: Config) -> bool:
+    """Whether this config's engines run vLLM's worker inside the engine core (module docstring)."""
+    g = cfg.generator
+    return g.engine == "vllm-cpu" and g.tensor_parallel_size == 1 and g.cpu_executor in ("auto", "uni")
+
+
+def start_llm(args, in_core: bool = True):
+    """AsyncLLM.from_engine_args(args), with vLLM's worker in the engine core where `in_core` and the engine
+    is a one-rank CPU engine (module docstring). Blocks while the core starts."""
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not (in_core and current_platform.is_cpu() and args.tensor_parallel_size == 1):
+        return AsyncLLM.from_engine_args(args)
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    args.distributed_executor_backend = UniProcExecutor  # a class: the CPU platform rewrites only "uni"
+    vllm_config = args.create_engine_config()
+    resource_tracker.ensure_running()  # started outside the OpenMP environment below, which is the core's only
+    # the environment vLLM's multiprocess executor gives its rank-0 worker, here for the core it spawns
+    with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
+        return AsyncLLM(vllm_config=vllm_config, executor_class=UniProcExecutor,
+                        log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats)
+
+
+def engine_args(cfg: Config, hf_dir, seed: int, extra: dict | None = None):
+    """AsyncEngineArgs for one generator engine; CPU and GPU differ only in these fields."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    g = cfg.generator
+    kw = dict(model=str(hf_dir), tokenizer=str(hf_dir), dtype=cfg.model.dtype, seed=seed,
+              tensor_parallel_size=g.tensor_parallel_size, max_model_len=g.max_model_len,
+              max_num_seqs=max(g.concurrency, 8), logprobs_mode=f"{g.logprobs_mode}_logprobs",
+              enable_prefix_caching=g.on_update != "keep", enforce_eager=g.engine == "vllm-cpu",
+              use_tqdm_on_load=cfg.run.log_level in ("debug", "info"))  # a progress bar per engine start
+    if g.engine == "vllm":
+        kw["gpu_memory_utilization"] = g.gpu_memory_utilization
+    else:  # a split prefill rewinds a seeded request's generator, which a CPU generator cannot do: the
+        # engine core dies on seeded eval sampling once more prompt tokens wait than one step takes
+        kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(g.max_model_len, 2048))
+    if cfg.trainer.lora.rank:  # every version is an adapter of its own (pipeline/lora.py); two live at a switch
+        kw.update(enable_lora=True, max_lora_rank=cfg.trainer.lora.rank, max_loras=2, max_cpu_loras=2)
+    kw.update(extra or {})
+    return AsyncEngineArgs(**kw)
+
+
+def core_processes(llm) -> list:
+    """The engine core processes vLLM started for `llm` (multiprocessing.Process objects)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return list(getattr(getattr(resources, "engine_manager", None), "processes", []))
+
+
+def stop_engine(engine) -> None:
+    """Stop a vLLM AsyncLLM at once (call it off the engine's event loop, or with that loop idle). Its
+    output handler is cancelled first; its core and worker hold nothing to flush, so they are killed
+    outright instead of vLLM's graceful stop (SIGTERM, then up to 5 s for the core and more for its
+    worker: most of a run's shutdown); the shared-memory queues they held are unlinked once nobody
+    maps them, as vLLM's own exit would, and this process's resource tracker forgets them."""
+    handler = getattr(engine, "output_handler", None)  # would log the killed core as a failure
+    loop = handler.get_loop() if handler is not None else None
+    try:
+        on_loop = loop is not None and asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    # the loop runs in another thread (the engine driven through asyncio.to_thread): vLLM's shutdown
+    # hands the socket closes to that loop, which runs them; otherwise they are closed here
+    loop_elsewhere = loop is not None and not on_loop and not loop.is_closed() and loop.is_running()
+    if handler is not None and not handler.done() and not loop.is_closed():
+        if on_loop:  # the cancellation runs once this coroutine yields
+            handler.cancel()
+        elif not loop.is_running():  # an idle loop (a test fixture's teardown): run the cancellation now,
+            handler.cancel()  # or the task outlives the loop and the engine with it ("Task was destroyed")
+            other_loop = False
+            try:
+                asyncio.get_running_loop()
+                other_loop = True  # this thread runs another loop: the cancellation runs when that one does
+            except RuntimeError:
+                pass
+            if not other_loop and not handler.done():
+                with contextlib.suppress(Exception):
+                    loop.run_until_complete(asyncio.wait([handler], timeout=2.0))
+        else:  # called off the loop (asyncio.to_thread): the loop runs the cancellation now
+            loop.call_soon_threadsafe(handler.cancel)
+            deadline = time.monotonic() + 2.0
+            while not handler.done() and time.monotonic() < deadline:
+                time.sleep(0.005)  # another thread's loop: nothing here to await
+    resources = getattr(getattr(engine, "engine_core", None), "resources", None)
+    # live children of this process only: a core that died was reaped by vLLM, and its pid may be reused
+    cores = [p.pid for p in core_processes(engine)
+             if getattr(p, "pid", None) and p.exitcode is None and procs.parent(p.pid) == os.getpid()]
+    if resources is not None:  # vLLM's liveness monitor then takes the kill for a shutdown, not a crash
+        resources.engine_dead = True
+    tree = [(pid, st) for pid in cores if (st := procs.start_time(pid)) is not None]
+    tree += [d for pid, _ in tree for d in procs.descendants(pid)]
+    held = cleanup.held_by(pid for pid, _ in tree)
+    procs.kill(tree)
+    deadline = time.monotonic() + 5.0  # a killed process holds its mappings until it exits
+    while any(procs.alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.02)  # other processes' exits: no event to wait on from this thread
+    engine.shutdown()
+    if not loop_elsewhere:
+        _close_client(engine, resources)
+    cleanup.untrack(cleanup.unlink_orphaned(held))
+
+
+def _close_client(engine, resources) -> None:
+    """Close the engine client's ZMQ sockets and terminate its context. vLLM's shutdown queues the
+    socket closes on the engine's event loop when called off it; a loop that never runs again (a
+    fixture's, idle) leaves them open, and the context, once garbage-collected, then blocks its
+    collector forever in zmq_ctx_term (whatever code happened to trigger that collection). Every
+    socket the client made is in its context's (or the asyncio shadow's) socket set."""
+    if resources is None:
+        return
+    ctx = getattr(resources, "ctx", None)
+    contexts = [c for c in (getattr(getattr(engine, "engine_core", None), "ctx", None), ctx) if c is not None]
+    for c in contexts:
+        for sock in list(getattr(c, "_sockets", ()) or ()):
+            if not sock.closed:
+                with contextlib.suppress(Exception):
+                    sock.close(linger=0)
+    if ctx is not None and not ctx.closed:
+        with contextlib.suppress(Exception):
+            ctx.destroy(linger=0)
