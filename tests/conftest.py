@@ -300,17 +300,17 @@ def pytest_testnodedown(node, error):
 
 # ---------------------------------------------------------------- order: the slowest files first
 # Seconds per file in a run of the suite on this 2-core machine under two workers (`make test
-# PYTEST_ARGS=--durations=0`, 2026-11-27, summed per file, less the runs since merged into others),
+# PYTEST_ARGS=--durations=0`, 2026-11-27, run S1 of docs/tests.md, summed per file),
 # rounded; a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
-    "test_family_engines.py": 190, "test_signals.py": 170, "test_chaos.py": 160, "test_pipeline.py": 160,
-    "test_planner_run.py": 140, "test_sync_matrix.py": 140, "test_multinode.py": 150, "test_chat_prompts.py": 125,
-    "test_learning_signal.py": 120, "test_reward_model.py": 117, "test_smollm2_run.py": 110, "test_generator.py": 100,
-    "test_trainer.py": 95, "test_notebook.py": 85, "test_faults.py": 75, "test_difficulty.py": 70,
-    "test_verify.py": 70, "test_finite_tasks.py": 66, "test_bf16.py": 50, "test_multiturn.py": 35,
-    "test_lora.py": 30, "test_weightsync_vllm.py": 28, "test_smollm2.py": 26, "test_vllm_engine.py": 18,
+    "test_pipeline.py": 187, "test_family_engines.py": 172, "test_sync_matrix.py": 162, "test_signals.py": 162,
+    "test_reward_model.py": 133, "test_chaos.py": 127, "test_multinode.py": 112, "test_smollm2_run.py": 112,
+    "test_chat_prompts.py": 95, "test_learning_signal.py": 88, "test_generator.py": 87, "test_trainer.py": 86,
+    "test_planner_run.py": 79, "test_faults.py": 64, "test_difficulty.py": 56, "test_notebook.py": 51,
+    "test_finite_tasks.py": 51, "test_verify.py": 44, "test_bf16.py": 42, "test_multiturn.py": 32,
+    "test_smollm2.py": 27, "test_lora.py": 23, "test_vllm_engine.py": 19, "test_weightsync_vllm.py": 14,
 }
 
 

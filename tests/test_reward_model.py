@@ -210,6 +210,9 @@ def test_client_streams_chunks_to_the_actor_and_gets_the_whole_sequence_score(rm
             prompt, gen = seq[:5], seq[5:]
             for i in range(1, len(gen) + 1):  # tokens arriving one by one, as vLLM's DELTA outputs
                 client.feed(f"t{k}", prompt, gen[:i])
+            # decoding takes longer than a chunk's prefill: without this wait the actor may find the chunks
+            # and the finish queued together and score the sequence whole (no prefill counted)
+            await client.flush(30)
             out[k] = (await client.finish(f"t{k}", seq), seq)
         stats = await rm.stats.call_one()
         return client, out, stats

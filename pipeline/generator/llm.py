@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from multiprocessing import resource_tracker
@@ -53,10 +54,11 @@ def start_llm(args, in_core: bool = True):
     from vllm.utils.ompmultiprocessing import OMPProcessManager
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    args.distributed_executor_backend = UniProcExecutor  # a class: the CPU platform rewrites only "uni"
-    vllm_config = args.create_engine_config()
+    # a class, not "uni": the CPU platform rewrites only the name
+    vllm_config = dataclasses.replace(args, distributed_executor_backend=UniProcExecutor).create_engine_config()
     resource_tracker.ensure_running()  # started outside the OpenMP environment below, which is the core's only
-    # the environment vLLM's multiprocess executor gives its rank-0 worker, here for the core it spawns
+    # the environment vLLM's multiprocess executor gives its rank-0 worker, here for the core that the
+    # constructor spawns (set in this process for the constructor's few seconds, then restored)
     with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
         return AsyncLLM(vllm_config=vllm_config, executor_class=UniProcExecutor,
                         log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats)

@@ -155,13 +155,17 @@ class RewardModelClient:
         self._inflight.add(call)
         call.add_done_callback(lambda f: (self._inflight.discard(f), f.cancelled() or f.exception()))
 
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until the actor has taken every chunk and release sent so far."""
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=timeout_s)
+
     async def close(self, timeout_s: float = 5.0) -> None:
         """Release every stream and wait (bounded) for calls still on their way."""
         seqs = [st.seq for st in self._streams.values() if st.sent]
         self._streams.clear()
         self._send_release(seqs)
-        if self._inflight:
-            await asyncio.wait(set(self._inflight), timeout=timeout_s)
+        await self.flush(timeout_s)
 
     def snapshot(self) -> dict:
         return {**self.counts, "streams": len(self._streams),

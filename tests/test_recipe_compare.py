@@ -1,0 +1,53 @@
+"""tools/recipe_compare.py's report, from synthetic metrics rows (its real runs: docs/training.md)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+
+import recipe_compare  # noqa: E402
+
+
+def rows(evals: dict[int, tuple[float, float]], steps: int, length: float, clip_high: float = 0.0) -> list[dict]:
+    out = []
+    for s in range(1, steps + 1):
+        out.append({"step": s, "reward/mean": 0.1, "samples": 32, "response/length_mean": length + s,
+                    "entropy": 0.5, "clip_low_frac": 0.0, "clip_high_frac": clip_high})
+    for s, (greedy, sampled) in evals.items():
+        out.append({"step": s, "eval/reward": sampled, "eval/reward_greedy": greedy, "eval/pass@k": sampled + 0.1})
+    return sorted(out, key=lambda r: r["step"])
+
+
+def test_seeds_are_summarised_on_their_common_eval_steps_up_to_the_budget():
+    a = {"rows": rows({0: (0.1, 0.05), 5: (0.3, 0.2), 10: (0.5, 0.4), 15: (0.9, 0.9)}, 15, 20), "exit_code": 0,
+         "wall_s": 100.0}
+    b = {"rows": rows({0: (0.1, 0.05), 5: (0.2, 0.1), 10: (0.3, 0.2)}, 10, 30, clip_high=0.01), "exit_code": 0,
+         "wall_s": 120.0}
+    failed = {"rows": [], "exit_code": 1, "wall_s": 5.0}
+    r = recipe_compare.summarise("dapo", [a, b, failed], steps=10)
+    assert (r["runs"], r["ok"], r["exit_codes"]) == (3, 2, [0, 0, 1])
+    greedy = dict(r["curve"]["greedy"])
+    assert sorted(greedy) == [0, 5, 10]  # step 15 is past the budget
+    assert greedy[10] == {"mean": pytest.approx(0.4), "min": 0.3, "max": 0.5, "n": 2}
+    # the last three steps of each run (8..10), averaged, then over seeds
+    assert r["end"]["response/length_mean"]["mean"] == pytest.approx((29 + 39) / 2)
+    assert r["end"]["clip_high_frac"]["max"] == pytest.approx(0.01)
+    assert "cispo_clip_frac" not in r["end"]  # a metric the recipe does not log is left out
+    text = recipe_compare.table([r, recipe_compare.summarise("gspo", [failed], steps=10)])
+    assert "| `dapo` | 2 | 0.100 (0.100..0.100) → 0.400 (0.300..0.500) (step 10) |" in text
+    assert "| `gspo` | 1 | no finished run (exit [1])" in text
+
+
+def test_a_recipe_needing_another_correction_gets_it():
+    from pipeline.config import load_config
+
+    for recipe, needs in recipe_compare.NEEDS.items():  # each loads on the real-model config
+        cfg = load_config(REPO / recipe_compare.CONFIG, [f"trainer.recipe={recipe}", *needs])
+        assert cfg.trainer.recipe == recipe
+    with pytest.raises(Exception, match="correction"):
+        load_config(REPO / recipe_compare.CONFIG, ["trainer.recipe=gspo"])  # why gspo needs seq_is here
