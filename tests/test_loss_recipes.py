@@ -189,6 +189,29 @@ def test_token_level_recipes_compose_with_every_correction(recipe, correction):
     torch.testing.assert_close(got_g, want_g, rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_at_one_minibatch_cispo_is_ppo_and_gspo_is_grpo(correction):
+    """With one minibatch and one epoch π_θ = π_old when the loss is taken (ratio 1; the real-model recipe
+    trains so): CISPO's gradient is the default PPO loss's (both token_mean, A·∇log π per token), and
+    GSPO's is GRPO's (both seq_mean, s_i = 1). Their clip parts act only from a second minibatch on: what
+    docs/training.md's comparison on the real model says of them."""
+    logp, old, mu, mask, adv = batch(3)
+    at_old = logp.detach().clone().requires_grad_(True)
+    # a per-token weight (tis) is refused on a sequence ratio: GSPO then runs at the token level
+    gspo = cfg("gspo", correction=correction, **({"ratio_level": "token"} if correction == "tis" else {}))
+    pairs = [(cfg("none", correction=correction), cfg("cispo", correction=correction)),
+             (cfg("grpo", correction=correction), gspo)]
+    for a, b in pairs:
+        _, ga = value_and_grad(lambda: ours(a, at_old, logp.detach(), mu, mask, adv)[0], at_old)
+        _, gb = value_and_grad(lambda: ours(b, at_old, logp.detach(), mu, mask, adv)[0], at_old)
+        torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-15)
+        assert ga.abs().max() > 1e-3
+    # from a second minibatch on (π_θ moved away from π_old) they differ
+    _, ga = value_and_grad(lambda: ours(pairs[0][0], logp, old, mu, mask, adv)[0], logp)
+    _, gb = value_and_grad(lambda: ours(pairs[0][1], logp, old, mu, mask, adv)[0], logp)
+    assert (ga - gb).abs().max() > 1e-4
+
+
 def _rebuild(logp, base, adv, w, mask, recipe, lo, hi, norm):
     """The composed reference, rebuilt from logp so autograd sees a fresh graph each call."""
     r = torch.exp(logp - base)
