@@ -51,12 +51,24 @@ def test_mis_balance_is_accepted_with_consistent_rollouts():
         ("buffer.slope_threshold=0.1", "buffer.slope_threshold"),  # replaced by slope_tstat
         ("trainer.correction=mis_balance", "generator.on_update=drain"),  # tiny.yaml: keep, mixed versions
         ("trainer.grad_variance=true", "trainer.micro_batch_size"),  # whole-batch micro-batches: one chunk
+        ("generator.cpu_executor=threads", "generator.cpu_executor"),
     ],
 )
 def test_bad_config_names_the_key(override, must_name):
     with pytest.raises(ConfigError) as e:
         load_config(REPO / "configs" / "tiny.yaml", [override])
     assert must_name in str(e.value)
+
+
+def test_the_worker_in_the_engine_core_is_refused_above_one_tensor_parallel_rank():
+    from pipeline.generator.llm import worker_in_core
+
+    tiny = REPO / "configs" / "tiny.yaml"
+    with pytest.raises(ConfigError, match="generator.cpu_executor.*tensor_parallel_size"):
+        load_config(tiny, ["generator.cpu_executor=uni", "generator.tensor_parallel_size=2"])
+    assert worker_in_core(load_config(tiny, []))  # auto: in the core at one rank
+    assert not worker_in_core(load_config(tiny, ["generator.tensor_parallel_size=2"]))  # auto: a worker per rank
+    assert not worker_in_core(load_config(tiny, ["generator.cpu_executor=mp"]))
 
 
 def test_ppo_minibatches_and_dual_clip_accept_their_ranges():
