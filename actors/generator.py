@@ -32,8 +32,9 @@ import dataclasses
 import math
 import os
 
-from monarch.actor import Actor, concurrent_endpoint, endpoint
+from monarch.actor import Actor, concurrent_endpoint
 
+from actors.endpoints import serial
 from pipeline import logs
 from pipeline.config import Config
 from pipeline.generator.core import GeneratorCore
@@ -95,7 +96,7 @@ class GeneratorActor(Actor):
         self.core = GeneratorCore(cfg, generator_id)
         self.receiver = None
 
-    @endpoint
+    @serial
     async def setup(self, version: int = 0, placement: Placement | None = None) -> dict:
         """Place this proc (default: as the only generator on its host, pipeline/placement.py; the
         engine's processes inherit it), then start the vLLM engine on model_dir(cfg.model), serving
@@ -109,19 +110,19 @@ class GeneratorActor(Actor):
         info = await self.core.start_engine(vllm_engine_kwargs(), version)
         return {**info, "placement": placed, "procs": [me(), *descendants(os.getpid())]}
 
-    @endpoint
+    @serial
     async def start_generation(self, buffer) -> None:
         """Begin a stage: keep generator.concurrency requests in flight, carried-over partials first."""
         self.core.begin_stage(MeshSource(buffer, (self.core.gid, self.incarnation), self.cfg.generator.call_timeout_s))
 
-    @endpoint
+    @serial
     async def end_stage(self, carry_over: str | None = None, resume_on_update: bool = False) -> dict:
         """Stop admitting; per carry_over (default generator.carry_over), let in-flight requests
         finish (keep) or save them as partials resumed first next stage (save). With
         resume_on_update the next stage starts by itself once the next weight version is loaded."""
         return await self.core.end_stage(self.cfg.generator.request_timeout_s, carry_over, resume_on_update)
 
-    @endpoint
+    @serial
     async def attach_weights(self, handle, rank: int | None = None) -> None:
         """Build the WeightReceiver for a sender's handle as receiver `rank` (default: the generator
         id); a later call replaces it (a new transport or group)."""
@@ -161,7 +162,7 @@ class GeneratorActor(Actor):
         """Whether full-weight pushes go through the engine's shadow copy (generator.shadow_weights)."""
         return self.cfg.generator.shadow_weights and not self.cfg.trainer.lora.rank
 
-    @endpoint
+    @serial
     async def apply_weights(self, version: int, on_update: str | None = None, corrupt_first: bool = False) -> int:
         """Load the staged `version` into vLLM under the on_update strategy; returns the served version.
         With shadow weights the load is the swap of the copy stage_weights loaded. `corrupt_first`
@@ -190,7 +191,7 @@ class GeneratorActor(Actor):
 
         return await self.core.update(version, load, on_update)
 
-    @endpoint  # queued behind apply_weights, so it reads a finished load
+    @serial  # queued behind apply_weights, so it reads a finished load
     async def served_checksums(self) -> tuple[dict[str, str], dict[str, list[str]]]:
         """What the engine serves now: vLLM name -> checksum (wire form) and the HF names each fused
         parameter concatenates (pipeline/weightsync/served.py)."""
@@ -200,13 +201,13 @@ class GeneratorActor(Actor):
                                                         t, "weight_sync.timeout_s")
         return {k: v.to_wire() for k, v in tensors.items()}, parts
 
-    @endpoint
+    @serial
     async def reload_weights(self, hf_dir: str) -> None:
         """Serve the HF export in `hf_dir` (the trainer's, this model's shape) in place, before any
         stage began, under the same version: the auto warm start's chunks (pipeline/driver/warm_start.py)."""
         await self.core.reload(hf_dir, self.cfg.weight_sync.timeout_s)
 
-    @endpoint
+    @serial
     async def version(self) -> int:
         self.core.check()
         return self.core.version
@@ -216,12 +217,12 @@ class GeneratorActor(Actor):
         """version, in_flight, tokens, tokens_per_s, reprefill_tokens, pause_s (the last updates'), failed by reason."""
         return self.core.snapshot()
 
-    @endpoint
+    @serial
     async def generate_eval(self, prompts: list, max_new_tokens: int, temperature: float = 0.0,
                             seed: int = 0) -> list[str]:
         return await self.core.generate_eval(prompts, max_new_tokens, temperature, seed)
 
-    @endpoint
+    @concurrent_endpoint  # not serial: it must not wait behind an eval or a stage end; it ends them
     async def shutdown(self) -> None:
         await self.core.close()
         if isinstance(self.core.source, MeshSource):

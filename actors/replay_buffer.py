@@ -41,6 +41,8 @@ import time
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from actors.endpoints import reply_droppable
+
 from pipeline import logs
 from pipeline.buffer import ReplayBufferCore, overlong_shaping
 from pipeline.config import Config
@@ -67,12 +69,6 @@ class ReplayBufferActor(Actor):
         """Pin this proc to buffer.cpus (pipeline/placement.py); returns what it runs on."""
         return apply(buffer_placement(self.cfg))
 
-    def _handle_undeliverable_message(self, message) -> bool:
-        """A reply to a generator that died meanwhile cannot be delivered. Monarch would fail this
-        actor for it; the generator's supervisor requeues the groups it held, so carry on."""
-        log.warning("buffer: a reply could not be delivered (its generator died?): %s", message)
-        return True
-
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
@@ -89,7 +85,7 @@ class ReplayBufferActor(Actor):
     def _stats(self) -> dict:
         return {**self.core.stats(), "data_epoch": self.prompts.progress(), "data_exhausted": self.exhausted}
 
-    @concurrent_endpoint
+    @reply_droppable(concurrent=True)  # a generator stopped while it waits: its reply is dropped
     async def admit(self, wait_s: float = 0.0, lessee: tuple[int, int] = (0, 0)) -> PromptGroup | None:
         """Next prompt group for `lessee` = (generator id, incarnation) (a requeued group first), or
         None if admission stays closed for `wait_s` seconds or the lessee was released meanwhile."""
@@ -125,12 +121,12 @@ class ReplayBufferActor(Actor):
         await self._notify()
         return n
 
-    @endpoint
+    @reply_droppable
     async def add(self, rollout: Rollout, lessee: tuple[int, int] | None = None) -> None:
         self.core.add(rollout, lessee)
         await self._notify()
 
-    @endpoint
+    @reply_droppable
     async def release(self, group_id: int, lessee: tuple[int, int] | None = None) -> bool:
         released = self.core.release(group_id, lessee)
         await self._notify()

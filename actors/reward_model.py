@@ -29,6 +29,7 @@ from collections import deque
 
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
+from actors.endpoints import reply_droppable
 from pipeline import logs
 from pipeline.config import Config
 from pipeline.placement import apply, reward_model_placement
@@ -74,12 +75,6 @@ class RewardModelActor(Actor):
         return {"placement": placed, "pid": os.getpid(), "procs": [me()], "load_s": time.monotonic() - t0,
                 "vocab_size": self.scorer.vocab_size}
 
-    def _handle_undeliverable_message(self, message) -> bool:
-        """A reply to a generator that died meanwhile cannot be delivered; its streams are released
-        by the controller (release_prefix). Carry on."""
-        log.warning("reward model: a reply could not be delivered (its generator died?): %s", message)
-        return True
-
     def _put(self, op: str, seq: str, offset: int = 0, tokens=(), want: bool = False):
         if self.scorer is None:
             raise RuntimeError("reward model: setup was not called")
@@ -88,22 +83,22 @@ class RewardModelActor(Actor):
         self._more.set()
         return fut
 
-    @concurrent_endpoint
+    @reply_droppable(concurrent=True)
     async def prefill(self, seq: str, offset: int, tokens: list[int]) -> None:
         """Queue a chunk of stream `seq` starting at `offset`; answers at once."""
         self._put("prefill", seq, offset, tokens)
 
-    @concurrent_endpoint
+    @reply_droppable(concurrent=True)
     async def finish(self, seq: str, offset: int, tokens: list[int]) -> dict:
         """The score of stream `seq` after its last chunk (offset 0: the whole sequence)."""
         return await self._put("finish", seq, offset, tokens, want=True)
 
-    @concurrent_endpoint
+    @reply_droppable(concurrent=True)
     async def release(self, seqs: list[str]) -> None:
         for s in seqs:
             self._put("release", s)
 
-    @concurrent_endpoint
+    @reply_droppable(concurrent=True)
     async def release_prefix(self, prefix: str) -> None:
         self._put("release_prefix", prefix)
 

@@ -377,6 +377,33 @@ def test_bad_requests_fail_alone_and_are_counted(env):
     assert len(texts) == 2 and all(isinstance(t, str) and len(t) <= 8 for t in texts)
 
 
+def test_stats_answers_while_an_eval_runs(env):
+    """The supervisor's probe (stats, concurrent) is not queued behind a long eval: generate_eval is a
+    serial endpoint (actors/endpoints.py), not a plain one that Monarch's dispatch loop awaits. The
+    engine core is stopped for a moment so the eval cannot finish before stats answers (well under
+    the hang bound); with a plain endpoint stats would answer only after the eval."""
+    loop, gen, _, _ = env
+    cores = [p for p, _ in descendants(os.getpid()) if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    if not cores or loop.run_until_complete(gen.stats.call_one())["error"]:
+        pytest.skip("the engine was killed by an earlier test of this module; run this test alone")
+
+    async def go():
+        os.kill(cores[0], signal.SIGSTOP)
+        try:
+            ev = asyncio.ensure_future(gen.generate_eval.call_one(["rev abc=", "rev hgf="], 8))
+            await asyncio.sleep(0.5)
+            s = await asyncio.wait_for(gen.stats.call_one(), 10)
+            pending = not ev.done()
+        finally:
+            os.kill(cores[0], signal.SIGCONT)
+        return s, pending, await asyncio.wait_for(ev, 60)
+
+    s, pending, texts = loop.run_until_complete(go())
+    assert pending, "stats answered only after the eval"
+    assert s["error"] is None, s["error"]
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+
+
 def test_feeds_the_real_replay_buffer(env):
     """The production wiring: admit(wait_s) / add / release against ReplayBufferActor, then a Batch."""
     from actors.replay_buffer import ReplayBufferActor

@@ -69,6 +69,7 @@ class MeshSlot:
         self.pids: list = []  # (pid, start) of its proc and its children at setup
         self.segments: set[str] = set()  # /dev/shm segments they held at setup
         self.stats: dict | None = None
+        self.probe_max_s = 0.0  # the slowest health probe's round trip since the train loop last read it
         self.version = 0
 
     @property

@@ -70,6 +70,9 @@ class Measure(Hook):
             await job.fleet.refresh_stats(cfg.generator.health_timeout_s)
         live = job.fleet.live_generators()
         gens = [s.stats for _, s in live if s.stats is not None]
+        probe_s = max((s.probe_max_s for s in job.fleet.slots()), default=0.0)
+        for s in job.fleet.slots():
+            s.probe_max_s = 0.0
         served = min((job.sync.served.get(i, s.version) for i, s in live), default=job.version)
         metrics.update({
             "throughput/samples_per_s": self.samples / elapsed, "throughput/trained_tokens_per_s": self.tokens / elapsed,
@@ -82,6 +85,7 @@ class Measure(Hook):
             "carry/samples": float(sum(g["carried_samples"] for g in gens)),
             "carry/tokens": float(sum(g["carried_tokens"] for g in gens)),
             "carry/reprefill_tokens": float(sum(g["reprefill_tokens"] for g in gens)),
+            "health/probe_s_max": probe_s,  # the slowest health probe since the last step (generator.hang_timeout_s)
             "faults/restarts": float(sum(s.incarnation for s in job.fleet.generators)),
             "faults/requeued_groups": float(job.requeued_groups),
             **rejected_metrics(gens), **reward_metrics(gens, job),

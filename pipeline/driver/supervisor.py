@@ -52,8 +52,9 @@ HUNG_AFTER = 3  # probe timeouts in a row
 PROC_HANG_FACTOR = 5
 """A whole generator proc is hung once the health probe went unanswered for this many x
 generator.hang_timeout_s (30 s by default). Looser than the engine's own progress bound: the probe is
-an actor call, which queues behind the actor's other endpoint calls, and on two loaded cores 2x (12 s)
-raised false alarms in a real run of the SmolLM2 recipe."""
+an actor call answered by the proc's event loop, which a loaded machine starves. (The probe no longer
+queues behind the generator's long endpoints, an eval or a stage end: they are serial endpoints,
+actors/endpoints.py. Before that, 2x raised false alarms in a real run of the SmolLM2 recipe.)"""
 
 
 class Supervisor:
@@ -138,8 +139,14 @@ class Supervisor:
                 failed[slot] = why
             else:
                 asked.append(slot)
-        res = await asyncio.gather(*[asyncio.wait_for(s.handle.stats.call_one(), t) for s in asked],
-                                   return_exceptions=True)
+        async def timed(slot: MeshSlot) -> dict:
+            t0 = time.monotonic()
+            try:
+                return await asyncio.wait_for(slot.handle.stats.call_one(), t)
+            finally:
+                slot.probe_max_s = max(slot.probe_max_s, time.monotonic() - t0)
+
+        res = await asyncio.gather(*[timed(s) for s in asked], return_exceptions=True)
         for slot, r in zip(asked, res):
             if isinstance(r, asyncio.TimeoutError):
                 self._slow[slot.name] = self._slow.get(slot.name, 0) + 1
