@@ -21,6 +21,8 @@ Protocol (the controller drives it; `buf` is the ReplayBufferActor mesh):
 Finished rollouts (with reward from the task plug-in) go to `buf.add` one at a time; a request
 with bad input is counted in stats()["failed"] and its group is handed back with `buf.release`.
 The order of stage/apply across generators (rolling, collective) is pipeline.weightsync.sync.WeightSync's.
+The control endpoints (setup ... generate_eval) are serial (actors/endpoints.py): one at a time, in
+arrival order, while stats, watch, stage_weights, attach_reward_model and shutdown answer beside them.
 The logic lives in pipeline/generator/ (GeneratorCore, whose docstring holds the state machine);
 this file only adapts it to Monarch.
 """

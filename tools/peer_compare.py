@@ -66,6 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 
 import recipe_compare  # noqa: E402
+import torch  # noqa: E402
 from peer_trl import HFEval, check_task, require_trl, run_trl, trl_settings  # noqa: E402
 from task_sweep import run_cli  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -192,8 +193,8 @@ def trl_side(args, task: str, seed: int, run_dir: Path) -> dict:
     start = start_dir(args, cfg, run_dir, task, seed)
     res = run_trl(cfg, load_task(task, cfg.task), start, seed, args.steps, args.eval_every, run_dir, args.project_mode)
     return {"rows": keep(res["rows"]), "wall_s": res["wall_s"], "trained_samples": res["trained_samples"],
-            "start": res["start"], "prompts_checked": res["prompts_checked"], "trl_version": res["trl_version"],
-            "settings": res["settings"]}
+            "threads": torch.get_num_threads(), "start": res["start"], "prompts_checked": res["prompts_checked"],
+            "trl_version": res["trl_version"], "settings": res["settings"]}
 
 
 RUNNERS = {"project": project_side, "trl": trl_side, "project_fresh": project_side}
@@ -384,7 +385,9 @@ def curve_table(res: dict) -> str:
 TRAIN = {"train reward": ("reward/mean", "reward"), "KL to the start": ("kl_ref", "kl"),
          "entropy": ("entropy", "entropy"), "response length": ("response/length_mean", "completions/mean_length")}
 """Per-step metrics both sides log, (this project's name, TRL's): the same definitions (k3 values per
-token for KL, EOS counted in the length). TRL logs no KL with beta=0."""
+token for KL, EOS counted in the length). Without a KL term neither side measures the KL: TRL logs
+none with beta=0, the project logs kl_ref 0.0 with trainer.kl_coef=0 (no reference forward); both
+show '–'."""
 
 
 def train_table(res: dict, last: int = 20) -> str:
@@ -400,6 +403,8 @@ def train_table(res: dict, last: int = 20) -> str:
             for ours, theirs in TRAIN.values():
                 key = theirs if side == "trl" else ours
                 per_run = [v for e in runs if (v := [r[key] for r in e["rows"] if key in r][-last:])]
+                if key == "kl_ref" and all(x == 0.0 for v in per_run for x in v):
+                    per_run = []  # not measured: no reference forward
                 cells.append(f"{statistics.mean(statistics.mean(v) for v in per_run):.3f}" if per_run else "–")
             lines.append(f"| {task.rsplit('.', 1)[-1]} | {LABELS[side]} | {' | '.join(cells)} |")
     return "\n".join(lines)
@@ -443,7 +448,8 @@ def plot(res: dict, path: Path) -> None:
 
 def report(out: Path, res: dict) -> int:
     rows = summary(res)
-    text = "\n\n".join([table(rows), curve_table(res), train_table(res), settings_table(res.get("settings", []))])
+    head = table(rows) if rows else "No project side beside TRL in the results yet: each side's curve only."
+    text = "\n\n".join([head, curve_table(res), train_table(res), settings_table(res.get("settings", []))])
     print("\n" + text)
     (out / "compare.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
@@ -452,10 +458,11 @@ def report(out: Path, res: dict) -> int:
     return 0 if all(r["agree"] is not False for r in rows) else 1
 
 
-def run_line(task: str, seed, side: str, entry: dict) -> str:
-    """One finished run, printed: its final held-out metrics, and for TRL its time per step and eval."""
+def run_line(task: str, run: str, side: str, entry: dict) -> str:
+    """One finished run (`run`: s<seed>, or a recorded run's name), printed: its last held-out metrics,
+    and for TRL its time per step and per eval."""
     last = [r for r in entry["rows"] if "eval/reward" in r][-1]
-    line = (f"[peer_compare {task} s{seed} {side}] {entry['trained_samples']} samples, held-out at step "
+    line = (f"[peer_compare {task} {run} {side}] {entry['trained_samples']} samples, held-out at step "
             f"{last['step']}: {last['eval/reward']:.3f} sampled, {last['eval/reward_greedy']:.3f} greedy, "
             f"{last.get('eval/pass@k', float('nan')):.3f} pass@k; {entry['wall_s']:.0f} s")
     step_s = [r["step_s"] for r in entry["rows"] if "step_s" in r]
@@ -485,6 +492,9 @@ def main() -> int:
     ap.add_argument("--eval-samples", type=int, default=None, help="task.eval_samples on both sides: samples per "
                     "held-out prompt (default 16 for a config that warm-starts: 64 prompts x 16, the sampled "
                     "reward's eval noise ~0.006 on tiny; else the config's own, as its recorded runs had)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of this process (the TRL side and the HF "
+                    "evaluator; 0: torch's default, one per core). On cores other work keeps busy, 1: two threads "
+                    "contending for a shared core made HF generate ~25x slower here")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one project run may take")
     ap.add_argument("--out", default="bench_out/peer_compare")
     ap.add_argument("--reuse", action="store_true", help="read, not rerun, a finished project run in --out")
@@ -505,6 +515,8 @@ def main() -> int:
         return report(out, load(results))
     if not args.report and "trl" in sides:
         require_trl()  # fail before an hour of project runs, not after
+    if args.threads:
+        torch.set_num_threads(args.threads)
     resolve(args)
     tasks = [task_path(t) for t in args.tasks.split(",")]
     if recorded and len(tasks) != 1:
@@ -528,7 +540,7 @@ def main() -> int:
                 entry = RUNNERS[side](args, task, seed, run_dir)
                 settings = entry.pop("settings", settings)  # a TRL run's notes hold its tokenizer's rows
                 merge(results, f"{task}/{seed}/{side}", entry, settings)
-                print(run_line(task, seed, side, entry), flush=True)
+                print(run_line(task, f"s{seed}", side, entry), flush=True)
     res = load(results)
     if not res["runs"]:
         raise SystemExit(f"peer_compare: {results} holds no runs yet")

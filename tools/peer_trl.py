@@ -361,6 +361,8 @@ class _Recorder(TrainerCallback):
         m = self.ev.evaluate(model, self.tok, self.seed * 100_003 + step)
         now = time.monotonic()
         self.rows.append({"step": step, "time_s": now - self.t0, "eval_s": now - t, **m})
+        print(f"[peer_trl] step {step}: held-out {m['eval/reward']:.3f} sampled, {m['eval/reward_greedy']:.3f} greedy, "
+              f"{m['eval/pass@k']:.3f} pass@k; eval {now - t:.1f} s, {now - self.t0:.0f} s in", flush=True)
 
     def on_train_begin(self, args, state, control, model=None, **kw):
         self._eval(0, model)
@@ -370,6 +372,8 @@ class _Recorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kw):
         self._step_s = time.monotonic() - self._step_t if self._step_t is not None else None
+        if self._step_s is not None:
+            print(f"[peer_trl] step {state.global_step}/{state.max_steps} trained in {self._step_s:.1f} s", flush=True)
         s = state.global_step
         if s % self.every == 0 or s == state.max_steps:
             self._eval(s, model)
