@@ -42,7 +42,6 @@ import time
 from monarch.actor import Actor, concurrent_endpoint, endpoint
 
 from actors.endpoints import reply_droppable
-
 from pipeline import logs
 from pipeline.buffer import ReplayBufferCore, overlong_shaping
 from pipeline.config import Config
