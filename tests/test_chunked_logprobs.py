@@ -121,6 +121,32 @@ def test_untied_head_and_no_entropy_bonus(setup):
     _same(_loss_grads(untied, ids, mask, side, adv, log_mix, cfg, 7, 0.0), full, "untied")
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[-1]], ids=["tis,token_mean", "kl_k3,seq_mean"])
+def test_the_head_on_the_loss_tokens_only_gives_their_values_and_the_full_gradients(setup, case):
+    """`positions` (what the trainer passes: its loss mask): the head runs on those tokens alone;
+    there the values equal the full ones, elsewhere they are 0, and the loss's gradient wrt every
+    parameter is the full one (the loss reads masked tokens only)."""
+    model, ids, mask, side, adv, log_mix = setup
+    cfg = TrainerConfig(**{"is_cap": 1.5, "entropy_coef": 0.01, **case})
+    full = _loss_grads(model, ids, mask, side, adv, log_mix, cfg, 0, 0.01)
+    sel = mask > 0
+    assert not sel.all()  # the setup masks a prompt and a padded tail
+    for chunk in (7, 1024):
+        model.zero_grad(set_to_none=True)
+        logp, ent = logprobs(model, ids, 0.7, chunk, "grad", positions=sel)
+        torch.testing.assert_close(logp[sel], full[0][sel], **TOL)
+        torch.testing.assert_close(ent[sel], full[1][sel], **TOL)
+        assert not logp[~sel].any() and not ent[~sel].any()
+        loss, _ = policy_loss(logp, side["old"], side["mu"], mask, adv, cfg, ref=side["ref"], entropy=ent,
+                              entropy_coef=0.01, log_mix=log_mix)
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), full[2], **TOL)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == full[4].keys()
+        for n in grads:
+            torch.testing.assert_close(grads[n], full[4][n], **TOL, msg=f"chunk={chunk}: grad {n}")
+
+
 def _core(chunk: int, **trainer) -> TrainCore:
     gen = GeneratorConfig(on_update="abort" if "lora" in trainer else "keep")  # LoRA switches between requests
     return TrainCore(Config(model=ModelConfig(), generator=gen, trainer=TrainerConfig(

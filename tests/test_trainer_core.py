@@ -15,7 +15,7 @@ from pipeline.losses import policy_loss
 from pipeline.model import token_logprobs
 from pipeline.trainer.errors import BadBatchError, NonFiniteLossError
 from pipeline.trainer.snapshots import Proximal
-from pipeline.trainer.step import TrainCore, minibatch_plan
+from pipeline.trainer.step import TrainCore, minibatch_plan, spans
 from pipeline.types import Batch
 
 
@@ -346,6 +346,62 @@ def test_minibatch_plan_splits_each_minibatch_across_ranks_in_lockstep():
             assert len({len(p[m][1]) for p in plans}) == 1  # same number of micro-batches everywhere
             if mbs:
                 assert all(len(c) <= mbs for p in plans for c, _ in p[m][1])
+
+
+def test_micro_batches_take_rows_of_like_length_in_every_rank_and_minibatch():
+    lengths = torch.tensor([5, 19, 7, 19, 3, 11, 2, 13, 17])
+    for n, mbs_count, world, mbs in [(9, 1, 1, 2), (9, 2, 2, 2), (9, 1, 3, 1)]:
+        sorted_plans = [minibatch_plan(n, mbs_count, world, r, mbs, lengths[:n]) for r in range(world)]
+        plain = [minibatch_plan(n, mbs_count, world, r, mbs) for r in range(world)]
+        for ps, pp in zip(sorted_plans, plain):
+            for (rows_s, micro_s), (rows_p, micro_p) in zip(ps, pp):
+                assert torch.equal(rows_s, rows_p) and len(micro_s) == len(micro_p)  # the same shares
+                mine = torch.cat([c for c, keep in micro_s if keep])
+                assert sorted(mine.tolist()) == sorted(torch.cat([c for c, k in micro_p if k]).tolist())
+                if len(micro_s) > 1:  # cut into micro-batches: longest first
+                    assert lengths[mine].tolist() == sorted(lengths[mine].tolist(), reverse=True)
+                else:
+                    assert torch.equal(mine, torch.cat([c for c, k in micro_p if k]))
+    # one micro-batch: the batch order stays (nothing to gain; bitwise the unsorted step)
+    assert torch.equal(minibatch_plan(9, 1, 1, 0, 0, lengths)[0][1][0][0], torch.arange(9))
+
+
+def test_length_sorted_cut_micro_batches_give_the_padded_batch_gradient(cfg):
+    """Rows of very different lengths (right padding, one row with trailing non-loss tokens, one
+    without loss tokens): the step over length-sorted micro-batches cut to their longest row, the head
+    on loss tokens only, has the gradient of the whole padded batch scored at once (token_logprobs,
+    the full logits) and the same metrics."""
+    tc = TrainerConfig(lr=1e-3, micro_batch_size=2, logprob_chunk_tokens=5, grad_clip=1e9, correction="tis",
+                       entropy_coef=0.01)
+    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    b = make_batch(core.model, n=7, t=24, prompt_len=4, mu_noise=0.3, seed=3)
+    mask, ids = b.loss_mask.clone(), b.input_ids.clone()
+    for i, end in enumerate([24, 9, 15, 6, 24, 12, 4]):  # row 6: no loss tokens
+        mask[i, end:] = 0
+        ids[i, end:] = 0
+    mask[4, 20:] = 0  # row 4: environment tokens after its last loss token (kept in ids)
+    b = replace(b, input_ids=ids, loss_mask=mask, behaviour_logprobs=b.behaviour_logprobs * mask,
+                versions=torch.where(mask > 0, 0, -1).long())
+    plan = minibatch_plan(7, 1, 1, 0, 2, spans(mask))
+    assert [c.tolist() for c, _ in plan[0][1]] == [[0, 4], [2, 5], [1, 3], [6]]
+    params = [p for p in core.model.parameters()]
+    logp = token_logprobs(core.model, ids)  # generator.temperature 1.0
+    m1 = mask[:, 1:]
+    logits = core.model(ids)[:, :-1].float()  # the bonus: the full logits' entropy
+    ent = -(torch.log_softmax(logits, -1).exp() * torch.log_softmax(logits, -1)).sum(-1)
+    loss, _ = policy_loss(logp, logp.detach(), b.behaviour_logprobs[:, 1:], m1, b.advantages, tc,
+                          entropy=ent, entropy_coef=0.01)
+    want = torch.autograd.grad(loss, params)
+    got: list = []
+    core.optimizer.register_step_pre_hook(lambda *_: got.append([p.grad.clone() for p in params]) if not got else None)
+    m = core.train_step(b)
+    for (name, _), g, w in zip(core.model.named_parameters(), got[0], want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
+    assert m["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert m["tokens"] == float(m1.sum())
+    with torch.no_grad():
+        want_ent = float((ent * m1).sum() / m1.sum())
+    assert m["entropy"] == pytest.approx(want_ent, rel=1e-5)
 
 
 def test_too_few_samples_for_the_minibatches_are_refused(cfg):

@@ -137,11 +137,17 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, chunk: int = 0,
-             entropy: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
+             entropy: str = "", positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, T-1] of ids[:, 1:] under softmax(logits / temperature), and the
     per-token entropy of that distribution: "" none (None), "value" detached, "grad" differentiable
     (the entropy bonus). chunk > 0: `ChunkedLogprobs` over chunks of that many tokens (the caller
-    checks `chunkable`); 0: the full logits and their log-softmax (the unchunked path)."""
+    checks `chunkable`); 0: the full logits and their log-softmax (the unchunked path).
+
+    `positions` (bool [B, T-1], chunked path only): the head runs on those tokens' hidden states
+    alone and both outputs are 0 elsewhere; the values at `positions` and every gradient are those of
+    the full computation (the blocks still run on every token: a causal model's later tokens see the
+    earlier ones). The trainer passes its loss mask: the head (vocab x dim MACs a token, 21% of
+    SmolLM2's forward) then skips the prompt and padding tokens. The unchunked path ignores it."""
     if chunk <= 0:
         logits = model(ids)[:, :-1].float() / temperature
         logp = torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, 1:, None]).squeeze(-1)
@@ -162,8 +168,13 @@ def logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, chun
             raise RuntimeError("chunked logprobs: the output head weight is a DTensor in the forward "
                                "(tensor parallel over the vocabulary); use trainer.logprob_chunk_tokens=0")
         x = h[:, :-1].reshape(-1, h.shape[-1])
-        return ChunkedLogprobs.apply(x, head.weight, targets, float(temperature), int(chunk))
+        if sel is None:
+            return ChunkedLogprobs.apply(x, head.weight, targets, float(temperature), int(chunk))
+        lp, ent = ChunkedLogprobs.apply(x[sel], head.weight, targets[sel], float(temperature), int(chunk))
+        zeros = lp.new_zeros(x.shape[0])
+        return zeros.index_put((sel,), lp), zeros.index_put((sel,), ent)
 
+    sel = None if positions is None else positions.reshape(-1).nonzero().squeeze(1).to(ids.device)
     with _head_swapped(head, head_forward):
         lp, ent = model(ids)
     lp, ent = lp.view(b, t - 1), ent.view(b, t - 1)

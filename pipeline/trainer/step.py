@@ -56,27 +56,44 @@ from pipeline.trainer.state import TrainerState
 from pipeline.types import Batch
 
 
-def minibatch_plan(n: int, minibatches: int, world: int, rank: int, micro_batch_size: int) -> Plan:
+def minibatch_plan(n: int, minibatches: int, world: int, rank: int, micro_batch_size: int,
+                   lengths: torch.Tensor | None = None) -> Plan:
     """Per minibatch: (its global row indices, this rank's micro-batches as (rows, weight)).
 
     Weight 0 marks a padding micro-batch (one dummy row): its count depends only on the global
     minibatch size, so every rank runs the same number of forwards and backwards per step.
+    `lengths` [n] (`spans`): when there is more than one micro-batch, this rank's rows of a minibatch
+    are ordered longest first before they are cut, so each micro-batch holds rows of like length and its forward is cut
+    to its longest row (`TrainCore._logprobs`). The sums over micro-batches do not depend on their
+    order or make-up: the loss denominators are the minibatch's.
     """
     plan = []
     for mb in torch.tensor_split(torch.arange(n), minibatches):
         rows = torch.tensor_split(mb, world)[rank]
         most = math.ceil(len(mb) / world)
         k = max(1, math.ceil(most / (micro_batch_size or max(most, 1))))
+        if lengths is not None and k > 1 and len(rows) > 1:
+            rows = rows[torch.sort(lengths[rows], descending=True, stable=True).indices]
         chunks = torch.tensor_split(rows, k) if len(rows) else [rows] * k
         plan.append((mb, [(c, 1.0) if len(c) else (torch.zeros(1, dtype=torch.long), 0.0) for c in chunks]))
     return plan
 
 
 def logprobs(model: torch.nn.Module, ids: torch.Tensor, temperature: float, chunk: int = 0,
-             entropy: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
+             entropy: str = "", positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of ids[:, 1:] under softmax(logits / temperature), and (entropy "value" or
-    "grad") its per-token entropy; chunk > 0 never builds the [tokens, vocab] logits (chunked.py)."""
-    return chunked.logprobs(model, ids, temperature, chunk, entropy)
+    "grad") its per-token entropy; chunk > 0 never builds the [tokens, vocab] logits, and with
+    `positions` runs the output head on those tokens only (chunked.py)."""
+    return chunked.logprobs(model, ids, temperature, chunk, entropy, positions)
+
+
+def spans(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a Batch's loss_mask [N, T]: how many leading tokens its loss needs (its last loss
+    token's index + 1; 1 for a row without loss tokens). A causal model's log-prob of a token depends
+    on the tokens up to it only, so the tokens after that (right padding, trailing environment
+    tokens) can be cut off without changing any loss term or gradient."""
+    cols = torch.arange(1, loss_mask.shape[1] + 1)
+    return ((loss_mask > 0) * cols).amax(dim=1).clamp(min=1)
 
 
 class TrainCore:
@@ -131,6 +148,20 @@ class TrainCore:
     def _chunk(self, model: torch.nn.Module) -> int:
         return self.chunk if model is self.model or chunked.chunkable(model) else 0
 
+    def _logprobs(self, batch: Batch, rows: torch.Tensor, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's log-probs (and entropy) of `rows` of the batch, [n, T-1] like its loss_mask: the
+        forward runs on the rows cut to the longest of their `spans` (what follows changes no loss
+        term), the output head on their loss tokens only (`positions`); 0 off the loss mask."""
+        width = batch.input_ids.shape[1]
+        keep = max(int(spans(batch.loss_mask[rows]).max()), 2)  # at least one predicted token
+        ids = batch.input_ids[rows, :keep].to(self.device)
+        positions = batch.loss_mask[rows, 1:keep].to(self.device) > 0
+        lp, ent = logprobs(self.model, ids, self.temperature, self.chunk, entropy, positions)
+        if keep < width:
+            lp = torch.nn.functional.pad(lp, (0, width - keep))
+            ent = None if ent is None else torch.nn.functional.pad(ent, (0, width - keep))
+        return lp, ent
+
     # ------------------------------------------------------------------ steps
 
     def train_step(self, batch: Batch) -> dict[str, float]:
@@ -169,7 +200,10 @@ class TrainCore:
             raise BadBatchError(f"trainer: batch has {batch.num_samples} samples, fewer than "
                                 f"trainer.minibatches={t.minibatches}")
         mask_all = batch.loss_mask[:, 1:].float()
-        plan = minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank, t.micro_batch_size)
+        # rows of like length share a micro-batch, unless trainer.grad_variance compares the micro-batches'
+        # gradients, which asks for rows in batch order (length-sorted micro-batches are not random draws)
+        plan = minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank,
+                              t.micro_batch_size, None if t.grad_variance else spans(batch.loss_mask))
         self.model.train()
         t_start = time.perf_counter()
         ref_s = [0.0]  # the reference model's forwards, wherever they run (π_old's pass or the first step)
@@ -183,8 +217,7 @@ class TrainCore:
             for _, micro in plan[1:]:
                 for rows, keep in micro:
                     ids = batch.input_ids[rows].to(self.device)
-                    prox.record(batch, rows, keep, ids,
-                                *logprobs(self.model, ids, self.temperature, self.chunk, "value"))
+                    prox.record(batch, rows, keep, ids, *self._logprobs(batch, rows, "value"))
         t_old, ref_in_old = time.perf_counter(), ref_s[0]
         steps = []
         for epoch in range(t.epochs):
@@ -252,8 +285,7 @@ class TrainCore:
             mask = batch.loss_mask[rows, 1:].float().to(self.device) * keep
             mu = batch.behaviour_logprobs[rows, 1:].to(self.device).float()
             bonus = self.entropy_coef > 0
-            logp, ent = logprobs(self.model, ids, self.temperature, self.chunk,
-                                 "grad" if bonus else "value" if first else "")
+            logp, ent = self._logprobs(batch, rows, "grad" if bonus else "value" if first else "")
             if first:
                 prox.record(batch, rows, keep, ids, logp, ent)
             ref = prox.ref[rows] if prox.ref is not None else None
