@@ -67,3 +67,47 @@ def test_a_generator_that_keeps_failing_is_tried_twice_then_named():
         with pytest.raises(RunError, match="failed it, twice; the last error: prompt 3 is malformed"):
             await ev._on_a_generator(work)
     asyncio.run(run())
+
+
+def test_the_probe_after_an_eval_reuses_its_sampled_requests_and_draws_only_the_rest():
+    """Request i of a sampled pass is (items[i % n], seed task.seed + i) in both the eval and the probe;
+    a generator whose completion is a function of (prompt, seed) gives the probe the same rewards with
+    the eval's requests reused as drawn afresh, and is asked only for the ones the eval did not draw."""
+    from pipeline.config import TaskConfig
+    from pipeline.tasks import load_task
+
+    class Generate:
+        def __init__(self):
+            self.asked: list[tuple[str, int]] = []
+
+        def call_one(self, prompts, max_new_tokens, temperature=0.0, seed=0):
+            async def answer():
+                out = []
+                for i, it in enumerate(prompts):
+                    s = seed + i if temperature > 0 else -1
+                    self.asked.append((it.prompt, s))
+                    # right (the reversed word) on about half of the (prompt, seed) pairs
+                    right = it.prompt[4:-1][::-1]
+                    out.append(right if (s * 7 + len(it.prompt)) % 3 else right + "x")
+                return out
+            return answer()
+
+    async def run(reuse: bool):
+        c = Config()
+        c = dataclasses.replace(c, task=dataclasses.replace(c.task, eval_prompts=6, eval_samples=2, eval_k=2, seed=5))
+        task = load_task(c.task.name, TaskConfig(**{**c.task.__dict__}))
+        gen = SimpleNamespace(generate_eval=Generate())
+        fleet = Fleet()
+        fleet.restart(0, gen)
+        ev = Evaluation(c, task=task, fleet=fleet, report=lambda i, e: None)
+        await ev.evaluate()
+        before = len(gen.generate_eval.asked)
+        probe = await ev.probe(5, reuse_eval=reuse)
+        return probe, gen.generate_eval.asked[before:], ev
+
+    fresh, asked_fresh, _ = asyncio.run(run(False))
+    reused, asked_reused, ev = asyncio.run(run(True))
+    assert reused == fresh and len(fresh) == 6 and all(len(r) == 5 for r in fresh)
+    assert len({r for rs in fresh for r in rs}) > 1  # the rewards tell requests apart
+    assert len(asked_fresh) == 30 and asked_reused == asked_fresh[12:]  # 6 prompts x 2 eval samples reused
+    assert [s for _, s in asked_reused] == list(range(5 + 12, 5 + 30))

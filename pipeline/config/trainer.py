@@ -157,12 +157,16 @@ class TrainerConfig:
     kl_estimator: str = "k3"
     """KL estimator: k1 | k3."""
     micro_batch_size: int = 0
-    """Samples per forward/backward (0: the whole batch at once)."""
+    """Samples per forward/backward (0: the whole batch at once). With more than one micro-batch a
+    rank's rows are taken longest first (unless grad_variance), and every forward is cut to its
+    longest row's last loss token: right padding costs nothing then. The step's sums do not depend on
+    the split (the loss denominators are the minibatch's)."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the loss's output head (pipeline/trainer/chunked.py): the log-probs of the
     sampled tokens, the entropy and their gradients are computed chunk by chunk over tokens, so the
-    [tokens, vocab] float32 logits are never built; 0 builds them whole (the unchunked path, also what
-    tensor parallelism with an untied output head uses). >= 0."""
+    [tokens, vocab] float32 logits are never built, and the head runs on the loss tokens only (not
+    on prompts and padding); 0 builds them whole (the unchunked path, also what tensor parallelism
+    with an untied output head uses). >= 0."""
     grad_variance: bool = False
     """Estimate the variance of each batch's gradient from its micro-batches (a diagnostic for
     comparing corrections): the first optimizer step of a batch reports grad/var, the trace of the

@@ -4,6 +4,7 @@
     metrics = await ev.evaluate()     # eval/reward, eval/reward_greedy, eval/pass@k, eval/mean@k,
                                       # eval/skipped_prompts, eval/rejected/*
     rewards = await ev.probe(8)       # per held-out prompt, the rewards of 8 samples (one RL group's worth)
+    rewards = await ev.probe(8, reuse_eval=True)   # the same, the last evaluate's samples reused (same weights)
     pass_at_k(n=10, c=3, k=4)         # 1 - C(7, 4)/C(10, 4) = 0.8333...
 """
 
@@ -64,6 +65,7 @@ class Evaluation:
 
     def __init__(self, cfg: Config, task: Any, fleet: Fleet, report: Callable[[int, BaseException], None]):
         self.cfg, self.task, self.fleet, self.report = cfg, task, fleet, report
+        self._sampled: list[float | None] = []  # the last evaluate's sampled rewards, in request order
 
     async def evaluate(self) -> dict[str, float]:
         cfg = self.cfg
@@ -71,20 +73,32 @@ class Evaluation:
         greedy, sampled = await self._on_a_generator(lambda gen: self._greedy_and_sampled(gen, items))
         rejected: Counter = Counter()
         sampled_r = await self._score(items * cfg.task.eval_samples, sampled, rejected)
+        self._sampled = sampled_r
         greedy_r = await self._score(items, greedy, rejected)
         per_prompt = [[r for r in sampled_r[i::len(items)] if r is not None] for i in range(len(items))]
         out = {"eval/reward": _mean(sampled_r), "eval/reward_greedy": _mean(greedy_r),
                "eval/skipped_prompts": float(sum(o is None for o in greedy))} | at_k(per_prompt, cfg.task.eval_k)
         return out | {f"eval/rejected/{k}": float(v) for k, v in sorted(rejected.items())}
 
-    async def probe(self, samples: int) -> list[list[float]]:
+    async def probe(self, samples: int, reuse_eval: bool = False) -> list[list[float]]:
         """Per held-out prompt, the usable rewards of `samples` completions sampled at the training
         temperature (no greedy pass): what a group of that size would get in RL. The warm start's
-        stopping rule and the pre-flight line read it (pipeline/driver/learning_signal.py)."""
+        stopping rule and the pre-flight line read it (pipeline/driver/learning_signal.py).
+
+        Request i is items[i % len(items)] with sampling seed task.seed + i, as in `evaluate`'s sampled
+        pass, so `reuse_eval` (the caller's word that the weights are those of the last `evaluate`, as
+        after a fresh run's step-0 eval) takes that pass's rewards for the first requests and samples
+        only the rest, from seed task.seed + (how many were reused) on: the same requests, not drawn twice."""
         items = self.items()
-        outs = await self._on_a_generator(lambda gen: call_within("generate_eval", gen.generate_eval.call_one(
-            items * samples, self.cfg.generator.max_new_tokens, self.cfg.generator.temperature, self.cfg.task.seed)))
-        rewards = await self._score(items * samples, outs, Counter())
+        wanted = items * samples
+        have = self._sampled[:len(wanted)] if reuse_eval else []
+        rest = wanted[len(have):]
+        rewards = list(have)
+        if rest:
+            outs = await self._on_a_generator(lambda gen: call_within("generate_eval", gen.generate_eval.call_one(
+                rest, self.cfg.generator.max_new_tokens, self.cfg.generator.temperature,
+                self.cfg.task.seed + len(have))))
+            rewards += await self._score(rest, outs, Counter())
         return [[r for r in rewards[i::len(items)] if r is not None] for i in range(len(items))]
 
     def items(self) -> list:

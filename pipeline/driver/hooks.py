@@ -153,7 +153,10 @@ class SignalAlarm(Hook):
         if first_step != 1 or g < 2 or not (job.cfg.run.eval_every and job.cfg.task.eval_prompts):
             return
         warm = job.warm
-        probe = warm.after if warm is not None and warm.after is not None else Probe.of(await job.evaluation.probe(g), g)
+        # the Eval hook (started first: Hooks.start runs them in reverse) has just evaluated these weights:
+        # its sampled pass is the probe's first requests
+        probe = warm.after if warm is not None and warm.after is not None else \
+            Probe.of(await job.evaluation.probe(g, reuse_eval=True), g)
         self.preflight, bad = preflight(probe)
         (log.warning if bad else log.info)(self.preflight)
         row0.update(probe.metrics("preflight") | (warm.metrics() if warm is not None else {}))
