@@ -13,6 +13,18 @@ thread per rank (`trainer.cpu_threads=1`) 1 rank ~12.6k and 2 ranks ~14.0k train
 (1.11x); with the default, the 1-rank mesh runs 2 threads and swings from 2.5k to 8.4k tokens/s
 under the other jobs' load, so its "speed-up" of 1.5-5x measures contention, not FSDP.
 
+    .venv/bin/python tools/trainer_bench.py --ragged outputs/smollm2-s11/rollouts.jsonl --config \
+        configs/smollm2-135m-add.yaml [--micro 0 8] [--steps 3] [--samples 32] [--prompt-len 58] [--out DIR]
+
+Batches shaped like a run's (pipeline/trainer/synthetic.py ragged_batch): each completion's length
+drawn from a run's rollouts.jsonl (or a range "MIN-MAX"), right-padded to the batch's longest as the
+replay buffer pads it, in-process (TrainCore over a one-rank gloo group, no Monarch), one TrainCore
+per trainer.micro_batch_size in --micro, the same batches in turn (the order flips each step so load
+on the machine hits all alike), after a warm-up step each. Prints each setting's step time (median,
+min..max) and its ratio to the first setting's, step by step (median, min..max). What it measures
+(trainer.micro_batch_size): rows of like length per micro-batch, each forward cut to its longest row,
+the output head on loss tokens only (pipeline/trainer/step.py).
+
     .venv/bin/python tools/trainer_bench.py --loss-phase [--vocab 49152 151936] [--tokens 2048]
         [--chunk 1024] [--repeats 4] [--threads 1]
 
@@ -235,7 +247,80 @@ def loss_phase(args) -> None:
         (out / "loss_phase.json").write_text(json.dumps(rows, indent=2))
 
 
+def completion_lengths(spec: str) -> list[int]:
+    """A run's rollouts.jsonl (each row's `versions`: one per completion token) or "MIN-MAX"."""
+    if Path(spec).is_file():
+        lens = [len(json.loads(line)["versions"]) for line in Path(spec).read_text().splitlines() if line.strip()]
+        if not lens:
+            raise SystemExit(f"trainer_bench: {spec} holds no rollouts")
+        return lens
+    lo, _, hi = spec.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and 0 < int(lo) <= int(hi)):
+        raise SystemExit(f"trainer_bench: --ragged {spec!r} is neither a rollouts.jsonl nor a range MIN-MAX")
+    return list(range(int(lo), int(hi) + 1))
+
+
+def ragged(args) -> None:
+    import statistics
+
+    import torch.distributed as dist
+
+    from pipeline.trainer.step import TrainCore
+    from pipeline.trainer.synthetic import ragged_batch
+
+    lens = completion_lengths(args.ragged)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cores = {}
+    for m in args.micro:
+        cfg = load_config(args.config, args.overrides + [f"trainer.micro_batch_size={m}"])
+        cores[m] = TrainCore(cfg)
+    vocab = next(iter(cores.values())).vocab_size
+    batches = [ragged_batch(args.samples, args.prompt_len, lens, vocab, s) for s in range(args.steps + 1)]
+    width = [b.input_ids.shape[1] for b in batches]
+    real = [int(b.loss_mask.sum()) + args.samples * args.prompt_len for b in batches]
+    print(f"[trainer_bench] {args.samples} samples a batch, prompt {args.prompt_len} tokens, completions of "
+          f"{min(lens)}..{max(lens)} tokens (mean {statistics.mean(lens):.1f}): padded width {min(width)}..{max(width)}, "
+          f"{statistics.mean(real) / (args.samples * statistics.mean(width)):.0%} of the padded tokens real", flush=True)
+    for m, core in cores.items():
+        core.train_step(batches[0])
+    times: dict[int, list[float]] = {m: [] for m in cores}
+    for i, b in enumerate(batches[1:]):
+        order = list(cores) if i % 2 == 0 else list(reversed(cores))
+        for m in order:
+            t = time.perf_counter()
+            cores[m].train_step(b)
+            times[m].append(time.perf_counter() - t)
+        print(f"[trainer_bench] step {i + 1}/{args.steps}: " + ", ".join(
+            f"micro {m}: {times[m][-1]:.2f} s" for m in cores), flush=True)
+    first = args.micro[0]
+    print(f"\n{'micro_batch_size':>16} {'step s median (min..max)':>26} {'ratio to micro ' + str(first):>28}")
+    rows = []
+    for m in cores:
+        ts, ratios = times[m], [a / b for a, b in zip(times[m], times[first])]
+        rows.append({"micro_batch_size": m, "step_s": ts, "ratio_to_first": ratios})
+        print(f"{m:>16} {statistics.median(ts):>12.2f} ({min(ts):.2f}..{max(ts):.2f}) "
+              f"{statistics.median(ratios):>12.3f} ({min(ratios):.3f}..{max(ratios):.3f})")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ragged.json").write_text(json.dumps({"lengths": args.ragged, "samples": args.samples,
+                                                     "prompt_len": args.prompt_len, "rows": rows}, indent=2))
+    dist.destroy_process_group()
+
+
 def main() -> None:
+    if "--ragged" in sys.argv:
+        rp = argparse.ArgumentParser(description="train steps on batches shaped like a run's")
+        rp.add_argument("--ragged", required=True, help="a run's rollouts.jsonl, or completion lengths MIN-MAX")
+        rp.add_argument("--config", default=None)
+        rp.add_argument("--micro", type=int, nargs="+", default=[0, 8], help="trainer.micro_batch_size values")
+        rp.add_argument("--steps", type=int, default=3)
+        rp.add_argument("--samples", type=int, default=32)
+        rp.add_argument("--prompt-len", type=int, default=58, help="the SmolLM2 recipe's chat prompts: ~58 tokens")
+        rp.add_argument("--out", default="")
+        rp.add_argument("overrides", nargs="*")
+        ragged(rp.parse_args())
+        return
     if "--loss-phase-worker" in sys.argv:
         wp = argparse.ArgumentParser()
         wp.add_argument("--loss-phase-worker", choices=("memory", "time"))
