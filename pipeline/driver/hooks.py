@@ -109,7 +109,9 @@ class Eval(Hook):
 
     async def _eval(self, step: int) -> dict:
         await self.job.sync.wait()
+        t0 = time.monotonic()
         ev = await self.job.evaluation.evaluate()
+        ev["eval/time_s"] = time.monotonic() - t0  # the generator's time on it, which rollouts wait out
         self.job.eval_curve.append((step, ev["eval/reward"], ev["eval/reward_greedy"]))
         return ev
 
@@ -155,11 +157,16 @@ class SignalAlarm(Hook):
         warm = job.warm
         # the Eval hook (started first: Hooks.start runs them in reverse) has just evaluated these weights:
         # its sampled pass is the probe's first requests
-        probe = warm.after if warm is not None and warm.after is not None else \
-            Probe.of(await job.evaluation.probe(g, reuse_eval=True), g)
+        t0 = time.monotonic()
+        timed = {}
+        if warm is not None and warm.after is not None:
+            probe = warm.after
+        else:
+            probe = Probe.of(await job.evaluation.probe(g, reuse_eval=True), g)
+            timed = {"preflight/time_s": time.monotonic() - t0}
         self.preflight, bad = preflight(probe)
         (log.warning if bad else log.info)(self.preflight)
-        row0.update(probe.metrics("preflight") | (warm.metrics() if warm is not None else {}))
+        row0.update(probe.metrics("preflight") | timed | (warm.metrics() if warm is not None else {}))
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         groups: dict[int, list[float]] = {}
