@@ -63,9 +63,9 @@ def minibatch_plan(n: int, minibatches: int, world: int, rank: int, micro_batch_
     Weight 0 marks a padding micro-batch (one dummy row): its count depends only on the global
     minibatch size, so every rank runs the same number of forwards and backwards per step.
     `lengths` [n] (`spans`): when there is more than one micro-batch, this rank's rows of a minibatch
-    are ordered longest first before they are cut, so each micro-batch holds rows of like length and its forward is cut
-    to its longest row (`TrainCore._logprobs`). The sums over micro-batches do not depend on their
-    order or make-up: the loss denominators are the minibatch's.
+    are ordered longest first before they are cut, so each micro-batch holds rows of like length and
+    its forward is cut to its longest row (`TrainCore._logprobs`). The sums over micro-batches do not
+    depend on their order or make-up: the loss denominators are the minibatch's.
     """
     plan = []
     for mb in torch.tensor_split(torch.arange(n), minibatches):
