@@ -155,13 +155,12 @@ class SignalAlarm(Hook):
         if first_step != 1 or g < 2 or not (job.cfg.run.eval_every and job.cfg.task.eval_prompts):
             return
         warm = job.warm
-        # the Eval hook (started first: Hooks.start runs them in reverse) has just evaluated these weights:
-        # its sampled pass is the probe's first requests
-        t0 = time.monotonic()
-        timed = {}
         if warm is not None and warm.after is not None:
-            probe = warm.after
+            probe, timed = warm.after, {}
         else:
+            # the Eval hook (started first: Hooks.start runs them in reverse) has just evaluated these
+            # weights: its sampled pass is the probe's first requests
+            t0 = time.monotonic()
             probe = Probe.of(await job.evaluation.probe(g, reuse_eval=True), g)
             timed = {"preflight/time_s": time.monotonic() - t0}
         self.preflight, bad = preflight(probe)
