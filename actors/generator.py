@@ -221,7 +221,7 @@ class GeneratorActor(Actor):
 
     @serial
     async def generate_eval(self, prompts: list, max_new_tokens: int, temperature: float = 0.0,
-                            seed: int = 0) -> list[str]:
+                            seed: int | list[int] = 0) -> list[str]:
         return await self.core.generate_eval(prompts, max_new_tokens, temperature, seed)
 
     @concurrent_endpoint  # not serial: it must not wait behind an eval or a stage end; it ends them

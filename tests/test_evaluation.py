@@ -70,9 +70,10 @@ def test_a_generator_that_keeps_failing_is_tried_twice_then_named():
 
 
 def test_the_probe_after_an_eval_reuses_its_sampled_requests_and_draws_only_the_rest():
-    """Request i of a sampled pass is (items[i % n], seed task.seed + i) in both the eval and the probe;
-    a generator whose completion is a function of (prompt, seed) gives the probe the same rewards with
-    the eval's requests reused as drawn afresh, and is asked only for the ones the eval did not draw."""
+    """Sample k of held-out prompt j has seed task.seed + k * n + j, the seed of the eval's sampled
+    request k * n + j; a generator whose completion is a function of (prompt, seed) gives the probe the
+    same rewards with the eval's requests reused as drawn afresh, on all prompts and on the first few,
+    and is asked only for the ones the eval did not draw."""
     from pipeline.config import TaskConfig
     from pipeline.tasks import load_task
 
@@ -81,10 +82,13 @@ def test_the_probe_after_an_eval_reuses_its_sampled_requests_and_draws_only_the_
             self.asked: list[tuple[str, int]] = []
 
         def call_one(self, prompts, max_new_tokens, temperature=0.0, seed=0):
+            seeds = seed if isinstance(seed, list) else [seed + i for i in range(len(prompts))]
+            assert len(seeds) == len(prompts)
+
             async def answer():
                 out = []
-                for i, it in enumerate(prompts):
-                    s = seed + i if temperature > 0 else -1
+                for it, s in zip(prompts, seeds):
+                    s = s if temperature > 0 else -1
                     self.asked.append((it.prompt, s))
                     # right (the reversed word) on about half of the (prompt, seed) pairs
                     right = it.prompt[4:-1][::-1]
@@ -92,7 +96,7 @@ def test_the_probe_after_an_eval_reuses_its_sampled_requests_and_draws_only_the_
                 return out
             return answer()
 
-    async def run(reuse: bool):
+    async def run(reuse: bool, prompts: int):
         c = Config()
         c = dataclasses.replace(c, task=dataclasses.replace(c.task, eval_prompts=6, eval_samples=2, eval_k=2, seed=5))
         task = load_task(c.task.name, TaskConfig(**{**c.task.__dict__}))
@@ -101,13 +105,20 @@ def test_the_probe_after_an_eval_reuses_its_sampled_requests_and_draws_only_the_
         fleet.restart(0, gen)
         ev = Evaluation(c, task=task, fleet=fleet, report=lambda i, e: None)
         await ev.evaluate()
-        before = len(gen.generate_eval.asked)
-        probe = await ev.probe(5, reuse_eval=reuse)
-        return probe, gen.generate_eval.asked[before:], ev
+        evals = list(gen.generate_eval.asked)
+        probe = await ev.probe(5, reuse_eval=reuse, prompts=prompts)
+        return probe, gen.generate_eval.asked[len(evals):], evals
 
-    fresh, asked_fresh, _ = asyncio.run(run(False))
-    reused, asked_reused, ev = asyncio.run(run(True))
+    fresh, asked_fresh, evals = asyncio.run(run(False, 0))
+    reused, asked_reused, _ = asyncio.run(run(True, 0))
     assert reused == fresh and len(fresh) == 6 and all(len(r) == 5 for r in fresh)
     assert len({r for rs in fresh for r in rs}) > 1  # the rewards tell requests apart
+    assert asked_fresh[:12] == evals[6:]  # the eval's sampled pass (after its 6 greedy) is the probe's k < 2
     assert len(asked_fresh) == 30 and asked_reused == asked_fresh[12:]  # 6 prompts x 2 eval samples reused
-    assert [s for _, s in asked_reused] == list(range(5 + 12, 5 + 30))
+    assert sorted(s for _, s in asked_reused) == list(range(5 + 12, 5 + 30))
+    # the first 2 prompts: the same rewards as those prompts' in the full probe, 2 x 3 requests asked
+    few, asked_few, _ = asyncio.run(run(True, 2))
+    few_fresh, asked_few_fresh, _ = asyncio.run(run(False, 2))
+    assert few == few_fresh == fresh[:2]
+    assert len(asked_few_fresh) == 10 and sorted(asked_few) == sorted(a for a in asked_fresh[12:] if a in asked_few_fresh)
+    assert len(asked_few) == 6 and {p for p, _ in asked_few} == {p for p, _ in evals[:2]}

@@ -178,3 +178,74 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
     assert moved(before, after, "reprefill_tokens") > 0
     assert max(r["staleness/max"] for r in rows) <= p.cfg.buffer.max_staleness
     assert served(loop, p) == [p.version, p.version]
+
+
+def test_an_eval_beside_training_reads_one_version_and_the_next_push_waits_for_it(pipe):
+    """run.eval_overlap in the job's own loop and hooks: the step-0 eval and pre-flight probe run
+    beside step 1, the step-2 eval beside step 3 (run.steps=3 evaluates at the end, waited for). Each
+    eval is held 1.5 s after it scores, so a push that did not wait for it would land inside it: every
+    generator serves one version from its start to its end, the version of its step, while a train
+    step ran within it; metrics.jsonl keeps one row per step, in order, the evals' figures in theirs."""
+    loop, p = pipe
+    base, real_eval, real_train = p.cfg, p.evaluation.evaluate, p.trainer.train_step
+    evals: list[tuple[list[int], list[int], float, float]] = []
+    trains: list[float] = []
+
+    async def evaluate() -> dict:
+        before = [await g.version.call_one() for g in p.fleet.handles]
+        t0 = time.monotonic()
+        out = await real_eval()
+        await asyncio.sleep(1.5)
+        evals.append((before, [await g.version.call_one() for g in p.fleet.handles], t0, time.monotonic()))
+        return out
+
+    async def train_step(batch):
+        trains.append(time.monotonic())
+        return await real_train(batch)
+
+    p.evaluation.evaluate, p.trainer.train_step = evaluate, train_step
+    p.cfg = dataclasses.replace(base, run=dataclasses.replace(base.run, steps=3, eval_every=2, eval_overlap=True))
+    p.sync = WeightSync(p.trainer, p.fleet.handles, p.cfg)
+    sink, v0 = ListSink(), p.version
+    try:
+        loop.run_until_complete(p.sync.attach(p.trainer_addr))
+        hooks = step_hooks(p, sink, Progress(3, False), Checkpointing(p), 1)
+        loop.run_until_complete(asyncio.wait_for(TrainLoop(p, publish_for(p), hooks).run(1), 300))
+    finally:
+        p.cfg, p.evaluation.evaluate, p.trainer.train_step = base, real_eval, real_train
+    assert [r["step"] for r in sink.rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in sink.rows if "eval/reward" in r] == [0, 2, 3]
+    assert "preflight/spread_share" in sink.rows[0] and "eval/time_s" in sink.rows[2]
+    assert [(b, a) for b, a, _, _ in evals] == [([v] * 2, [v] * 2) for v in (v0, v0 + 2, v0 + 3)]
+    # step 1 trained inside the step-0 eval's hold, step 3 inside the step-2 eval's
+    assert evals[0][2] < trains[0] < evals[0][3] and evals[1][2] < trains[2] < evals[1][3], (evals, trains)
+
+
+def test_a_failing_eval_beside_training_fails_the_run_and_its_rows_are_written(pipe):
+    """The eval pinned at step 2 raises: the run fails with its error at the next push, and the rows
+    held for it (step 2's) are written without its figures."""
+    loop, p = pipe
+    base, real_eval = p.cfg, p.evaluation.evaluate
+    calls = []
+
+    async def evaluate() -> dict:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the held-out scorer broke")
+        return await real_eval()
+
+    p.evaluation.evaluate = evaluate
+    p.cfg = dataclasses.replace(base, run=dataclasses.replace(base.run, steps=4, eval_every=2, eval_overlap=True))
+    p.sync = WeightSync(p.trainer, p.fleet.handles, p.cfg)
+    sink = ListSink()
+    try:
+        loop.run_until_complete(p.sync.attach(p.trainer_addr))
+        hooks = step_hooks(p, sink, Progress(4, False), Checkpointing(p), 1)
+        with pytest.raises(RuntimeError, match="the held-out scorer broke"):
+            loop.run_until_complete(asyncio.wait_for(TrainLoop(p, publish_for(p), hooks).run(1), 300))
+        assert p.pinned is None
+    finally:
+        p.cfg, p.evaluation.evaluate = base, real_eval
+        loop.run_until_complete(p.sync.wait())
+    assert [r["step"] for r in sink.rows] == [0, 1, 2] and "eval/reward" in sink.rows[0]
+    assert "eval/reward" not in sink.rows[2]

@@ -3,9 +3,12 @@
     python tools/pipeline_bench.py                      # defaults: 3 repeats of 12 steps per mode, B=8, G=4
     python tools/pipeline_bench.py --steps 20 --repeats 5 --out bench_out/pipeline key=value ...
     python tools/pipeline_bench.py --placement shared   # every mesh on every core (no pinning)
+    python tools/pipeline_bench.py --config configs/smollm2-135m-add.yaml --workload config \
+        --placement shared --steps 6 --repeats 2         # a recipe's own task, model and batch, evals off
 
-Both runs use the same components and config (task `pipeline.tasks.longtail` with `ignore_eos`, so
-lengths are lognormal); `run.mode=sync` generates a full batch, trains, syncs and repeats (Δ=0,
+Both runs use the same components and config (`--workload longtail`, the default: task
+`pipeline.tasks.longtail` with `ignore_eos`, so lengths are lognormal; `--workload config`: the
+config's own task, model, batch and lengths, as a recipe runs, with evals off); `run.mode=sync` generates a full batch, trains, syncs and repeats (Δ=0,
 max_staleness=0; a version is admitted only once every generator serves it, so nothing is dropped),
 `run.mode=async` overlaps generation, training and the weight push. Prints trained samples/s and
 trained tokens/s, trainer and generator idle fractions, dropped samples and wasted tokens per mode,
@@ -49,15 +52,20 @@ def placement(kind: str) -> list[str]:
 
 def measure(mode: str, args, out: Path, rep: int) -> dict:
     name = f"{mode}{rep}"
+    workload = (["task.name=pipeline.tasks.longtail", "generator.ignore_eos=true"]
+                if args.workload == "longtail" else [])
+    shape = [f"{k}={v}" for k, v in (("generator.max_new_tokens", args.max_tokens),
+                                     ("buffer.batch_groups", args.batch_groups),
+                                     ("buffer.group_size", args.group_size)) if v is not None]
     overrides = [
-        "task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", f"generator.max_new_tokens={args.max_tokens}",
-        f"buffer.batch_groups={args.batch_groups}", f"buffer.group_size={args.group_size}",
+        *workload, *shape,
         f"run.steps={args.steps}", "run.eval_every=0", "run.warm_start_steps=0", "run.checkpoint_every=0",
         "run.progress=false", f"run.mode={mode}", f"run.out_dir={out / name}", *placement(args.placement),
         *args.overrides]
-    load_config(args.config, overrides)  # a bad override fails here, before any run
-    print(f"[pipeline_bench] {mode}: {args.steps} steps, B={args.batch_groups}, G={args.group_size}, "
-          f"lengths lognormal capped at {args.max_tokens}", flush=True)
+    cfg = load_config(args.config, overrides)  # a bad override fails here, before any run
+    lengths = ("lognormal" if args.workload == "longtail" else f"the task's ({cfg.task.name})")
+    print(f"[pipeline_bench] {mode}: {args.steps} steps, B={cfg.buffer.batch_groups}, G={cfg.buffer.group_size}, "
+          f"lengths {lengths} capped at {cfg.generator.max_new_tokens}", flush=True)
     # the CLI, so each mode is a whole run with its own start, shutdown and cleanup
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"{name}.log"
@@ -98,7 +106,7 @@ def summarise(runs: list[dict]) -> dict:
                 "max": max(r[k] for r in runs)} for k in KEYS} | {"mode": runs[0]["mode"], "repeats": len(runs)}
 
 
-def plot(summaries: list[dict], runs: dict[str, list[dict]], path: Path) -> None:
+def plot(summaries: list[dict], runs: dict[str, list[dict]], path: Path, title: str) -> None:
     """Per metric: the median bar per mode, with every repeat as a dot."""
     import matplotlib
 
@@ -114,7 +122,7 @@ def plot(summaries: list[dict], runs: dict[str, list[dict]], path: Path) -> None
         for x, mode in enumerate(modes):
             ax.plot([x] * len(runs[mode]), [r[key] for r in runs[mode]], "k.", ms=6)
         ax.set_title(title)
-    fig.suptitle("async vs sync, long-tail response lengths (bars: median; dots: repeats)")
+    fig.suptitle(f"async vs sync, {title} (bars: median; dots: repeats)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -126,18 +134,24 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--placement", choices=("disjoint", "shared"), default="disjoint")
-    ap.add_argument("--batch-groups", type=int, default=8)
-    ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--workload", choices=("longtail", "config"), default="longtail",
+                    help="longtail: lognormal lengths (ignore_eos); config: the config's own task and lengths")
+    ap.add_argument("--batch-groups", type=int, default=None, help="longtail default 8; config: the config's")
+    ap.add_argument("--group-size", type=int, default=None, help="longtail default 4; config: the config's")
+    ap.add_argument("--max-tokens", type=int, default=None, help="longtail default 96; config: the config's")
     ap.add_argument("--out", default="bench_out/pipeline")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if args.workload == "longtail":
+        args.batch_groups, args.group_size = args.batch_groups or 8, args.group_size or 4
+        args.max_tokens = args.max_tokens or 96
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # what this bench runs, so `tools/plan.py validate` can simulate any configuration measured here
     (out / "bench.json").write_text(json.dumps({
         "config": args.config, "max_tokens": args.max_tokens, "steps": args.steps, "batch_groups": args.batch_groups,
         "group_size": args.group_size, "placement": args.placement, "overrides": args.overrides,
+        "workload": args.workload,
         # disjoint: every generator on the cores after the first (engines beyond that many share them)
         "generator_devices": len(os.sched_getaffinity(0)) - 1 if args.placement == "disjoint" else 0}, indent=1))
     print(f"[pipeline_bench] placement {args.placement}: {' '.join(placement(args.placement)) or 'unpinned'}")
@@ -180,7 +194,8 @@ def main() -> int:
           f"tokens/s speedup target >= 1.6x")
     (out / "results.json").write_text(json.dumps({"placement": args.placement, "runs": runs, "summary": summaries,
                                                    "speedup": speedup}, indent=2))
-    plot(summaries, runs, out / "pipeline_bench.png")
+    plot(summaries, runs, out / "pipeline_bench.png",
+         "long-tail response lengths" if args.workload == "longtail" else f"{Path(args.config).stem}'s own task")
     print(f"wrote {out / 'results.json'} and {out / 'pipeline_bench.png'}")
     return 0
 

@@ -56,6 +56,16 @@ class RunConfig:
     a larger rate than RL steps on the policy's own samples."""
     eval_every: int = 5
     """Score held-out prompts every this many steps (0 disables)."""
+    eval_overlap: bool = True
+    """Held-out evals run beside training: the eval of step s (and a fresh run's step-0 eval and
+    pre-flight probe) runs on a generator while the trainer trains step s+1, and the push of s+1
+    waits for it, so it reads step s's weights alone. The step's metrics row is written once its eval
+    ends; a checkpoint step and run.steps wait for theirs. false: the trainer waits out each eval."""
+    preflight_prompts: int = 0
+    """The pre-flight line (pipeline/driver/learning_signal.py) probes the first this many of the
+    task.eval_prompts held-out prompts with buffer.group_size samples each, after a fresh run's step-0
+    eval and reusing its sampled completions (0: all of them; at most task.eval_prompts). Fewer
+    prompts make a coarser line and a quicker start: the probe holds the trainer at step 0."""
     progress: bool = True
     """Show a progress bar."""
     log_level: str = "warning"
@@ -119,6 +129,7 @@ class RunConfig:
         check(self.stop_without_signal >= 0, "run.stop_without_signal", self.stop_without_signal, ">= 0 (0: off)")
         check(0 <= self.warm_start_lr <= 1, "run.warm_start_lr", self.warm_start_lr, "0 (trainer.lr) .. 1")
         check(self.eval_every >= 0, "run.eval_every", self.eval_every, ">= 0")
+        check(self.preflight_prompts >= 0, "run.preflight_prompts", self.preflight_prompts, ">= 0 (0: all held-out prompts)")
         check(self.checkpoint_every >= 0, "run.checkpoint_every", self.checkpoint_every, ">= 0")
         check(self.collapse_entropy >= 0, "run.collapse_entropy", self.collapse_entropy, ">= 0 (0: off)")
         check(self.collapse_length >= 0, "run.collapse_length", self.collapse_length, ">= 0 (0: off)")

@@ -5,6 +5,7 @@
                                       # eval/skipped_prompts, eval/rejected/*
     rewards = await ev.probe(8)       # per held-out prompt, the rewards of 8 samples (one RL group's worth)
     rewards = await ev.probe(8, reuse_eval=True)   # the same, the last evaluate's samples reused (same weights)
+    rewards = await ev.probe(8, True, prompts=8)    # the same on the first 8 held-out prompts
     pass_at_k(n=10, c=3, k=4)         # 1 - C(7, 4)/C(10, 4) = 0.8333...
 """
 
@@ -80,26 +81,36 @@ class Evaluation:
                "eval/skipped_prompts": float(sum(o is None for o in greedy))} | at_k(per_prompt, cfg.task.eval_k)
         return out | {f"eval/rejected/{k}": float(v) for k, v in sorted(rejected.items())}
 
-    async def probe(self, samples: int, reuse_eval: bool = False) -> list[list[float]]:
+    async def probe(self, samples: int, reuse_eval: bool = False, prompts: int = 0) -> list[list[float]]:
         """Per held-out prompt, the usable rewards of `samples` completions sampled at the training
         temperature (no greedy pass): what a group of that size would get in RL. The warm start's
-        stopping rule and the pre-flight line read it (pipeline/driver/learning_signal.py).
+        stopping rule and the pre-flight line read it (pipeline/driver/learning_signal.py). `prompts`:
+        the first this many held-out prompts (0: all of them).
 
-        Request i is items[i % len(items)] with sampling seed task.seed + i, as in `evaluate`'s sampled
-        pass, so `reuse_eval` (the caller's word that the weights are those of the last `evaluate`, as
-        after a fresh run's step-0 eval) takes that pass's rewards for the first requests and samples
-        only the rest, from seed task.seed + (how many were reused) on: the same requests, not drawn twice."""
+        Sample k of held-out prompt j is drawn with seed task.seed + k * n + j (n: all held-out prompts),
+        the seed of `evaluate`'s sampled request k * n + j, so `reuse_eval` (the caller's word that the
+        weights are those of the last `evaluate`, as after a fresh run's step-0 eval) takes that pass's
+        rewards for samples k < task.eval_samples and samples only the rest: the same requests, not drawn
+        twice, with or without reuse and on any subset of prompts."""
         items = self.items()
-        wanted = items * samples
-        have = self._sampled[:len(wanted)] if reuse_eval else []
-        rest = wanted[len(have):]
-        rewards = list(have)
+        n = len(items)
+        used = items[:prompts] if prompts else items
+        have = self._sampled if reuse_eval else []
+        rewards: dict[tuple[int, int], float | None] = {}
+        rest: list[tuple[int, int]] = []
+        for k in range(samples):
+            for j in range(len(used)):
+                if k * n + j < len(have):
+                    rewards[j, k] = have[k * n + j]
+                else:
+                    rest.append((j, k))
         if rest:
+            seeds = [self.cfg.task.seed + k * n + j for j, k in rest]
+            asked = [used[j] for j, _ in rest]
             outs = await self._on_a_generator(lambda gen: call_within("generate_eval", gen.generate_eval.call_one(
-                rest, self.cfg.generator.max_new_tokens, self.cfg.generator.temperature,
-                self.cfg.task.seed + len(have))))
-            rewards += await self._score(rest, outs, Counter())
-        return [[r for r in rewards[i::len(items)] if r is not None] for i in range(len(items))]
+                asked, self.cfg.generator.max_new_tokens, self.cfg.generator.temperature, seeds)))
+            rewards.update(zip(rest, await self._score(asked, outs, Counter())))
+        return [[r for k in range(samples) if (r := rewards[j, k]) is not None] for j in range(len(used))]
 
     def items(self) -> list:
         """The held-out prompts: the first task.eval_prompts of the eval split (may be empty)."""

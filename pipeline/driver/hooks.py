@@ -57,7 +57,8 @@ class Measure(Hook):
         self.samples = self.tokens = 0
 
     async def start(self, first_step: int, row0: dict) -> None:
-        self.t_start = time.monotonic()  # after the step-0 eval (Hooks.start runs it last)
+        if not self.samples:  # after the step-0 eval (Hooks.start runs it last), unless steps came first
+            self.t_start = time.monotonic()  # (run.eval_overlap: step 1 may train beside that eval)
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         job, cfg = self.job, self.job.cfg
@@ -100,12 +101,15 @@ class Measure(Hook):
 class Eval(Hook):
     """Held-out eval at step 0 of a fresh run, every run.eval_every steps, at run.steps, and after
     the last step of a run that ran out of data; each first waits for the push in flight, so the
-    weights evaluated are the ones just trained. Appends to job.eval_curve (kept in checkpoints)."""
+    weights evaluated are the ones just trained. Appends to job.eval_curve (kept in checkpoints).
+    With run.eval_overlap an eval before run.steps is pinned (Job.pin): the next step trains beside
+    it, its push waits for it, and its figures join the step's row, which Record holds till then."""
 
     def __init__(self, job: Any, sink: Any, first_step: int):
         self.job, self.sink = job, sink
         self.every, self.last_step = job.cfg.run.eval_every, job.cfg.run.steps
         self.first_step = first_step
+        self.overlap = job.cfg.run.eval_overlap
 
     async def _eval(self, step: int) -> dict:
         await self.job.sync.wait()
@@ -120,8 +124,13 @@ class Eval(Hook):
             row0.update(await self._eval(0))
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
-        if step % self.every == 0 or step == self.last_step:
+        if step == self.last_step or (step % self.every == 0 and not self.overlap):
             metrics.update(await self._eval(step))
+        elif step % self.every == 0:
+            self.job.pin(self._into(step, metrics))
+
+    async def _into(self, step: int, metrics: dict) -> None:
+        metrics.update(await self._eval(step))
 
     async def finish(self, last: int, ended: str) -> dict:
         curve = self.job.eval_curve
@@ -136,9 +145,9 @@ class SignalAlarm(Hook):
     """The pre-flight line and the zero-signal alarm (pipeline/driver/learning_signal.py).
 
     start (a fresh run with held-out prompts, after the step-0 eval): the held-out probe of groups of
-    buffer.group_size (the auto warm start's last one, else one now), its line logged (a warning when
-    most groups would carry no signal) and its figures written as step 0's `preflight/*` (with the
-    warm start's `warm_start/*`). after_step: the step's share of groups without a reward spread
+    buffer.group_size (the auto warm start's last one, else one now on run.preflight_prompts prompts),
+    its line logged (a warning when most groups would carry no signal) and its figures written as step
+    0's `preflight/*` (with the warm start's `warm_start/*`). after_step: the step's share of groups without a reward spread
     (`signal/flat_share`) feeds SignalWatch, which warns once after run.no_signal_patience steps
     in a row and sets `stop` ('no_signal') after run.stop_without_signal."""
 
@@ -161,7 +170,7 @@ class SignalAlarm(Hook):
             # the Eval hook (started first: Hooks.start runs them in reverse) has just evaluated these
             # weights: its sampled pass is the probe's first requests
             t0 = time.monotonic()
-            probe = Probe.of(await job.evaluation.probe(g, reuse_eval=True), g)
+            probe = Probe.of(await job.evaluation.probe(g, True, job.cfg.run.preflight_prompts), g)
             timed = {"preflight/time_s": time.monotonic() - t0}
         self.preflight, bad = preflight(probe)
         (log.warning if bad else log.info)(self.preflight)
@@ -190,13 +199,15 @@ class SignalAlarm(Hook):
 
 
 class Checkpoint(Hook):
-    """A checkpoint every run.checkpoint_every steps (Checkpointing.save waits for the push in flight)."""
+    """A checkpoint every run.checkpoint_every steps (Checkpointing.save waits for the push in flight,
+    and the step's eval, if one runs beside training, ends first: the checkpoint's eval curve has it)."""
 
-    def __init__(self, checkpointing: Any, every: int):
-        self.checkpointing, self.every = checkpointing, every
+    def __init__(self, checkpointing: Any, every: int, job: Any):
+        self.checkpointing, self.every, self.job = checkpointing, every, job
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         if step % self.every == 0:
+            await self.job.settle()
             metrics["checkpoint"] = str(await self.checkpointing.save(step))
 
 
@@ -211,14 +222,36 @@ class RolloutLog(Hook):
 
 
 class Record(Hook):
-    """Last: the step's metrics to the sink (metrics.jsonl, TensorBoard, W&B) and the progress bar."""
+    """Last: the step's metrics to the sink (metrics.jsonl, TensorBoard, W&B) and the progress bar.
+    A row is held while held-out work is pinned (Job.pin: an eval beside training adds its figures to
+    the row when it ends), then written in step order; `flush` writes what is held as it is."""
 
-    def __init__(self, sink: Any, progress: Any):
-        self.sink, self.progress = sink, progress
+    def __init__(self, sink: Any, progress: Any, job: Any = None):
+        self.sink, self.progress, self.job = sink, progress, job
+        self.held: list[tuple[int, dict]] = []
+
+    def hold(self, step: int, row: dict) -> None:
+        self.held.append((step, row))
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
-        self.sink.log(step, metrics)
-        self.progress.update(metrics)
+        self.held.append((step, metrics))
+        pinned = self.job.pinned if self.job is not None else None
+        if pinned is None or pinned.done():
+            self.flush()
+
+    def flush(self) -> None:
+        for step, row in self.held:
+            if row:  # a step-0 row without figures (a resumed run) is not written
+                self.sink.log(step, row)
+            if step:
+                self.progress.update(row)
+        self.held.clear()
+
+    async def finish(self, last: int, ended: str) -> dict:
+        if self.job is not None:
+            await self.job.settle()
+        self.flush()
+        return {}
 
 
 class Hooks:
@@ -232,17 +265,33 @@ class Hooks:
         await hooks.after_step(1, metrics, batch)
     """
 
-    def __init__(self, hooks: list[Hook], sink: Any = None):
-        self.hooks, self.sink = hooks, sink
+    def __init__(self, hooks: list[Hook], sink: Any = None, pin: Any = None):
+        self.hooks, self.sink, self.pin = hooks, sink, pin
 
     async def start(self, first_step: int) -> None:
         """Runs every hook's start; their step-0 figures (a fresh run's eval, the pre-flight probe,
-        the warm start's) are written as one row, so metrics.jsonl keeps one row per step."""
+        the warm start's) are written as one row, so metrics.jsonl keeps one row per step. With `pin`
+        (Job.pin, run.eval_overlap) the starts run beside the first step, pinned, and Record (last)
+        holds the row until they end."""
         row0: dict = {}
-        for h in reversed(self.hooks):
-            await h.start(first_step, row0)
+
+        async def starts() -> None:
+            for h in reversed(self.hooks):
+                await h.start(first_step, row0)
+
+        record = self.hooks[-1] if self.hooks and isinstance(self.hooks[-1], Record) else None
+        if self.pin is not None and record is not None:
+            record.hold(0, row0)
+            self.pin(starts())
+            return
+        await starts()
         if row0 and self.sink is not None:
             self.sink.log(0, row0)
+
+    def flush(self) -> None:
+        """The rows Record holds, written as they are (the run is ending early)."""
+        if self.hooks and isinstance(self.hooks[-1], Record):
+            self.hooks[-1].flush()
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         for h in self.hooks:
@@ -264,14 +313,15 @@ def step_hooks(job: Any, sink: Any, progress: Any, checkpointing: Any, first_ste
     (run.eval_every with task.eval_prompts), checkpoints (run.checkpoint_every), the rollout log
     (run.log_rollouts), each a null Hook when off."""
     run = job.cfg.run
+    evals = bool(run.eval_every and job.cfg.task.eval_prompts)
     return Hooks([
         Measure(job),
         SignalAlarm(job, sink),
-        Eval(job, sink, first_step) if run.eval_every and job.cfg.task.eval_prompts else Hook(),
-        Checkpoint(checkpointing, run.checkpoint_every) if run.checkpoint_every else Hook(),
+        Eval(job, sink, first_step) if evals else Hook(),
+        Checkpoint(checkpointing, run.checkpoint_every, job) if run.checkpoint_every else Hook(),
         RolloutLog(job, sink, run.log_rollouts) if run.log_rollouts else Hook(),
-        Record(sink, progress),
-    ], sink)
+        Record(sink, progress, job),
+    ], sink, job.pin if evals and run.eval_overlap else None)
 
 
 def sync_bytes(last: dict) -> dict[str, float]:

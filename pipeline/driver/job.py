@@ -99,6 +99,31 @@ class Job:
         self.special: SpecialTokens | None = None  # the checkpoint's eos, pad and stop ids (pipeline/tokens.py)
         self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host
         self.warm: WarmReport | None = None  # the warm start's report (None: none ran, or a resume)
+        self.pinned: asyncio.Task | None = None  # held-out work on the served weights (run.eval_overlap)
+
+    def pin(self, work: Any) -> None:
+        """Run `work` (a coroutine that reads the generators' served weights: an eval, the pre-flight
+        probe) beside training; the next push waits for it (`settle`), so it sees one version."""
+        if self.pinned is not None and not self.pinned.done():
+            raise RuntimeError("Job.pin: held-out work is already running on the served weights")
+        self.pinned = asyncio.create_task(work, name="pinned")
+
+    async def settle(self) -> None:
+        """Wait for the pinned work (raising its error); before any push, so the weights it reads stay."""
+        t = self.pinned
+        if t is not None:
+            try:
+                await t
+            finally:
+                self.pinned = None
+
+    async def drop_pinned(self) -> None:
+        """Cancel the pinned work and let it end (the run is failing or interrupted)."""
+        t, self.pinned = self.pinned, None
+        if t is not None and not t.done():
+            t.cancel()
+        if t is not None:
+            await asyncio.gather(t, return_exceptions=True)
 
     async def start(self) -> None:
         cfg = self.cfg

@@ -51,6 +51,7 @@ class AsyncPublish:
 
     async def __call__(self, version: int, mean_reward: float) -> dict:
         buf = await finish_step(self.job, version, mean_reward)
+        await self.job.settle()  # an eval of the served weights beside this step ends before they change
         await self.job.sync.start(version)
         return buf
 
@@ -67,6 +68,7 @@ class SyncPublish:
         self.job = job
 
     async def __call__(self, version: int, mean_reward: float) -> dict:
+        await self.job.settle()  # an eval of the served weights beside this step ends before they change
         await self.job.sync.push(version)
         return await finish_step(self.job, version, mean_reward)
 
@@ -100,21 +102,26 @@ class TrainLoop:
     async def run(self, first_step: int = 1) -> dict:
         """Steps first_step..run.steps (or to the end of data); the summary's loop fields."""
         job, last, ended = self.job, first_step - 1, "steps"
-        await self.hooks.start(first_step)
-        for step in range(first_step, job.cfg.run.steps + 1):
-            try:
-                batch, metrics = await self.step()
-            except EndOfData as e:  # run.epochs reached: a normal end (a final eval, then the summary)
-                log.info("end of data after step %d: %s", last, e)
-                ended = "data"
-                break
-            last = step
-            await self.hooks.after_step(step, metrics, batch)
-            if (stop := self.hooks.stopping()) is not None:  # a hook ends the run early (no_signal)
-                ended = stop
-                break
-        await job.sync.wait()
-        done = await self.hooks.finish(last, ended)
+        try:
+            await self.hooks.start(first_step)
+            for step in range(first_step, job.cfg.run.steps + 1):
+                try:
+                    batch, metrics = await self.step()
+                except EndOfData as e:  # run.epochs reached: a normal end (a final eval, then the summary)
+                    log.info("end of data after step %d: %s", last, e)
+                    ended = "data"
+                    break
+                last = step
+                await self.hooks.after_step(step, metrics, batch)
+                if (stop := self.hooks.stopping()) is not None:  # a hook ends the run early (no_signal)
+                    ended = stop
+                    break
+            await job.sync.wait()
+            done = await self.hooks.finish(last, ended)
+        except BaseException:  # an eval beside training is cancelled; the rows it held are written as they are
+            await job.drop_pinned()
+            self.hooks.flush()
+            raise
         return {"steps": last - first_step + 1, "ended": ended, "version": job.version, **done,
                 "eval_curve": job.eval_curve}
 

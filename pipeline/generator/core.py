@@ -155,9 +155,9 @@ class GeneratorCore:
         return version
 
     async def generate_eval(self, prompts: list[Prompt | PromptItem], max_new_tokens: int, temperature: float = 0.0,
-                            seed: int = 0) -> list[str | None]:
+                            seed: int | list[int] = 0) -> list[str | None]:
         """Completions for evaluation: greedy by default, else sampled at `temperature` with per-prompt
-        seeds `seed + i` (reproducible for fixed weights). A prompt that is empty, too long, cannot be
+        seeds `seed + i`, or `seed[i]` given a list, one per prompt (reproducible for fixed weights). A prompt that is empty, too long, cannot be
         tokenised or is refused by the engine gets None, counted in stats()["eval_skipped"] by reason;
         bad sampling values raise RequestError at once, any other failure after the others finish.
         `prompts` are PromptItems (a multi-turn task's environment gets the item, as in training) or
@@ -168,6 +168,9 @@ class GeneratorCore:
 
         self.check()
         check_request(1, max_new_tokens, temperature, self.g.max_model_len)  # the sampling values
+        if isinstance(seed, list) and len(seed) != len(prompts):
+            raise RequestError("bad_seeds", f"generate_eval: {len(seed)} seeds for {len(prompts)} prompts")
+        seeds = seed if isinstance(seed, list) else [seed + i for i in range(len(prompts))]
         eps, engine = self.episodes, self.engine
         items = [p if isinstance(p, PromptItem) else PromptItem(uid=i, prompt=p) for i, p in enumerate(prompts)]
         limit = asyncio.Semaphore(2 * self.g.concurrency if eps.task.env is not None else len(items) or 1)
@@ -183,7 +186,7 @@ class GeneratorCore:
             if room < 1:
                 return "length"
             sp = SamplingParams(max_tokens=room, temperature=temperature, stop_token_ids=list(engine.special.stop),
-                                seed=seed + i + 7919 * t.turns if temperature > 0 else None)
+                                seed=seeds[i] + 7919 * t.turns if temperature > 0 else None)
             final = None
             try:
                 async with asyncio.timeout(self.g.request_timeout_s):
