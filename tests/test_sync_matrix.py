@@ -46,7 +46,7 @@ class ListSink:
     def __init__(self) -> None:
         self.rows: list[dict] = []
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict, at: float | None = None) -> None:
         self.rows.append({"step": step, **metrics})
 
     def log_rollouts(self, step: int, rows: list[dict]) -> None:

@@ -228,21 +228,24 @@ class Record(Hook):
 
     def __init__(self, sink: Any, progress: Any, job: Any = None):
         self.sink, self.progress, self.job = sink, progress, job
-        self.held: list[tuple[int, dict]] = []
+        self.held: list[tuple[int, dict, float]] = []  # (step, row, when it was held)
 
     def hold(self, step: int, row: dict) -> None:
-        self.held.append((step, row))
+        self.held.append((step, row, time.monotonic()))
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
-        self.held.append((step, metrics))
+        self.hold(step, metrics)
         pinned = self.job.pinned if self.job is not None else None
         if pinned is None or pinned.done():
             self.flush()
 
     def flush(self) -> None:
-        for step, row in self.held:
+        """Writes the held rows in order, each timed when it was complete: held, and the pinned
+        work it waited for ended (its eval's end, not the later step that released it)."""
+        end = self.job.pinned_end if self.job is not None else 0.0
+        for step, row, t in self.held:
             if row:  # a step-0 row without figures (a resumed run) is not written
-                self.sink.log(step, row)
+                self.sink.log(step, row, at=max(t, end) if "eval/reward" in row or "preflight/time_s" in row else t)
             if step:
                 self.progress.update(row)
         self.held.clear()

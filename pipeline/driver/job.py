@@ -100,6 +100,7 @@ class Job:
         self.trainer_addr = "127.0.0.1"  # where generators reach trainer rank 0's host
         self.warm: WarmReport | None = None  # the warm start's report (None: none ran, or a resume)
         self.pinned: asyncio.Task | None = None  # held-out work on the served weights (run.eval_overlap)
+        self.pinned_end = 0.0  # time.monotonic() when the last pinned work ended
 
     def pin(self, work: Any) -> None:
         """Run `work` (a coroutine that reads the generators' served weights: an eval, the pre-flight
@@ -107,6 +108,7 @@ class Job:
         if self.pinned is not None and not self.pinned.done():
             raise RuntimeError("Job.pin: held-out work is already running on the served weights")
         self.pinned = asyncio.create_task(work, name="pinned")
+        self.pinned.add_done_callback(lambda _: setattr(self, "pinned_end", time.monotonic()))
 
     async def settle(self) -> None:
         """Wait for the pinned work (raising its error); before any push, so the weights it reads stay."""

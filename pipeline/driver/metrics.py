@@ -113,8 +113,9 @@ class MetricsSink:
                                  purge_step=None if resume_step is None else resume_step + 1)
         self._t0 = time.monotonic()
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        rec = {"step": step, "time_s": round(time.monotonic() - self._t0, 3), **metrics}
+    def log(self, step: int, metrics: dict[str, Any], at: float | None = None) -> None:
+        """One row; `time_s` is when it was complete: `at` (time.monotonic()) or now."""
+        rec = {"step": step, "time_s": round((time.monotonic() if at is None else at) - self._t0, 3), **metrics}
         self._f.write(json.dumps(rec, default=str) + "\n")
         self._f.flush()
         scalars = {k: s for k, v in rec.items() if k != "step" and (s := _scalar(v)) is not None}
