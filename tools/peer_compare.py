@@ -202,13 +202,15 @@ LABELS = {"project": "this project (sync)", "project_fresh": "this project (sync
           "trl": "TRL GRPOTrainer", "recorded": "this project (recorded CLI runs)"}
 
 
-def read_recorded(dirs: list[str], steps: int, batch: int) -> dict[str, dict]:
+def read_recorded(dirs: list[str], steps: int, batch: int, hf: tuple | None = None) -> dict[str, dict]:
     """Finished CLI runs as entries of side `recorded`, by directory name: each one's metrics.jsonl
     (recipe_compare's reader) up to `steps`, its trained samples (the rows' `samples`) and its wall-clock
     to the last kept row. SystemExit for a directory without metrics.jsonl, or a run that stopped
-    before `steps`; a step that trained other than `batch` samples is printed."""
+    before `steps`; a step that trained other than `batch` samples is printed. `hf` = (cfg, task,
+    seeds) (--hf-check): the HF evaluator also scores the start (cfg.model.hf_dir) and each run's
+    final export (DIR/hf_checkpoint), run i with sampling seed seeds[i], as `hf_start`/`hf_final`."""
     out = {}
-    for d in dirs:
+    for i, d in enumerate(dirs):
         path = Path(d) / "metrics.jsonl"
         if not path.exists():
             raise SystemExit(f"peer_compare: --recorded {d}: no metrics.jsonl (a finished `python -m pipeline.run` "
@@ -224,6 +226,17 @@ def read_recorded(dirs: list[str], steps: int, batch: int) -> dict[str, dict]:
         name = Path(d).resolve().name
         out[name] = {"rows": keep(rows), "recorded": str(Path(d).resolve()), "wall_s": rows[-1]["time_s"],
                      "trained_samples": int(sum(r.get("samples", 0) for r in rows))}
+        if hf is not None:
+            cfg, task, seeds = hf
+            final = Path(d) / "hf_checkpoint"
+            if not (final / "config.json").exists():
+                raise SystemExit(f"peer_compare: --hf-check: {final} holds no exported model (a run that reached "
+                                 "run.steps writes one)")
+            seed = seeds[i] if i < len(seeds) else 0
+            out[name] |= {"hf_start": hf_score(cfg, task, Path(cfg.model.hf_dir), seed),
+                          "hf_final": hf_score(cfg, task, final, seed)}
+            print(f"[peer_compare] --hf-check {name}: HF evaluator start {out[name]['hf_start']}, "
+                  f"final {out[name]['hf_final']}", flush=True)
     return out
 
 
@@ -482,6 +495,9 @@ def main() -> int:
     ap.add_argument("--sides", default="project,trl,project_fresh", help="project: the CLI run (sync) with its own "
                     "warm start, or from model.hf_dir without one; trl: GRPOTrainer from its start; project_fresh: "
                     "the CLI run from the warm-start export, fresh AdamW (needs a warm start)")
+    ap.add_argument("--hf-check", action="store_true", help="score each --recorded run's start and final export "
+                    "(DIR/hf_checkpoint) with TRL's side's HF evaluator too, run i with seed i of --seeds: the two "
+                    "evaluators side by side on the same weights")
     ap.add_argument("--recorded", default="", metavar="DIR,DIR", help="finished CLI runs of --config as the "
                     "project side (side `recorded`; their rows up to --steps), e.g. outputs/smollm2-s11,outputs/smollm2-s12")
     ap.add_argument("--steps", type=int, default=400)
@@ -531,7 +547,9 @@ def main() -> int:
         tok = AutoTokenizer.from_pretrained(cfg.model.hf_dir) if (Path(cfg.model.hf_dir or "/nonexistent") /
                                                                  "tokenizer_config.json").exists() else None
         settings = trl_settings(cfg, args.steps, 0, tok, args.project_mode)[1]
-        for name, entry in read_recorded(recorded, args.steps, cfg.buffer.batch_groups * cfg.buffer.group_size).items():
+        hf = (cfg, load_task(task, cfg.task), [int(x) for x in args.seeds.split(",") if x]) if args.hf_check else None
+        for name, entry in read_recorded(recorded, args.steps, cfg.buffer.batch_groups * cfg.buffer.group_size,
+                                         hf).items():
             merge(results, f"{task}/{name}/recorded", entry, settings)
             print(run_line(task, name, "recorded", entry), flush=True)
         for seed in [] if args.report else map(int, args.seeds.split(",")):

@@ -56,7 +56,7 @@ class RunConfig:
     a larger rate than RL steps on the policy's own samples."""
     eval_every: int = 5
     """Score held-out prompts every this many steps (0 disables)."""
-    eval_overlap: bool = True
+    eval_overlap: bool = False
     """Held-out evals run beside training: the eval of step s (and a fresh run's step-0 eval and
     pre-flight probe) runs on a generator while the trainer trains step s+1, and the push of s+1
     waits for it, so it reads step s's weights alone. The step's metrics row is written once its eval
