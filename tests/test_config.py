@@ -53,7 +53,6 @@ def test_mis_balance_is_accepted_with_consistent_rollouts():
         ("trainer.grad_variance=true", "trainer.micro_batch_size"),  # whole-batch micro-batches: one chunk
         ("generator.cpu_executor=threads", "generator.cpu_executor"),
         ("run.preflight_prompts=-1", "run.preflight_prompts"),
-        ("run.preflight_prompts=100000", "run.preflight_prompts"),  # more than task.eval_prompts
     ],
 )
 def test_bad_config_names_the_key(override, must_name):

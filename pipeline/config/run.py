@@ -64,8 +64,9 @@ class RunConfig:
     preflight_prompts: int = 0
     """The pre-flight line (pipeline/driver/learning_signal.py) probes the first this many of the
     task.eval_prompts held-out prompts with buffer.group_size samples each, after a fresh run's step-0
-    eval and reusing its sampled completions (0: all of them; at most task.eval_prompts). Fewer
-    prompts make a coarser line and a quicker start: the probe holds the trainer at step 0."""
+    eval and reusing its sampled completions (0, or more than there are: all of them). Fewer
+    prompts make a coarser line and a quicker start: the probe holds the end of step 0 (with
+    run.eval_overlap, the first push)."""
     progress: bool = True
     """Show a progress bar."""
     log_level: str = "warning"

@@ -77,8 +77,6 @@ class Config:
         check(self.trainer.minibatches <= n, "trainer.minibatches", self.trainer.minibatches,
               f"at most the batch's {n} samples (buffer.batch_groups * buffer.group_size); "
               "an empty minibatch would be an optimizer step without data")
-        check(self.run.preflight_prompts <= self.task.eval_prompts, "run.preflight_prompts", self.run.preflight_prompts,
-              f"at most task.eval_prompts ({self.task.eval_prompts}): the probe runs on held-out prompts (0: all)")
         self._check_placement()
 
     def _check_placement(self) -> None:
