@@ -245,7 +245,7 @@ class Record(Hook):
         end = self.job.pinned_end if self.job is not None else 0.0
         for step, row, t in self.held:
             if row:  # a step-0 row without figures (a resumed run) is not written
-                self.sink.log(step, row, at=max(t, end) if "eval/reward" in row or "preflight/time_s" in row else t)
+                self.sink.log(step, row, at=max(t, end))  # a row held past its pinned work's end: that end
             if step:
                 self.progress.update(row)
         self.held.clear()
