@@ -35,6 +35,32 @@ def loop():
 TEST_LIMIT_S = float(os.environ.get("RL_TEST_LIMIT_S", "600"))
 
 
+def _dump_tasks(out) -> None:
+    """The await chain of every pending asyncio task of every event loop in the process: a hang in a
+    test that drives a loop shows only `run_until_complete` in the thread stacks above."""
+    import asyncio
+    import gc
+
+    try:
+        loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and not o.is_closed()]
+        for lp in loops:
+            tasks = [t for t in asyncio.all_tasks(lp) if not t.done()]
+            out.write(f"[watchdog] event loop {id(lp):#x}: {len(tasks)} pending tasks\n")
+            for t in tasks:
+                out.write(f"--- {t.get_name()}\n")
+                aw = t.get_coro()
+                for _ in range(40):  # the coroutine chain, outermost first (a task's own stack is one frame)
+                    frame = getattr(aw, "cr_frame", None) or getattr(aw, "gi_frame", None)
+                    if frame is None:
+                        if aw is not None:
+                            out.write(f"    awaiting {aw!r}\n"[:300])
+                        break
+                    out.write(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+                    aw = getattr(aw, "cr_await", None) or getattr(aw, "gi_yieldfrom", None)
+    except Exception as e:  # diagnostics only: never mask the hang report
+        out.write(f"[watchdog] could not list asyncio tasks: {e!r}\n")
+
+
 def _hung(item) -> None:
     import faulthandler
     import sys
@@ -47,6 +73,7 @@ def _hung(item) -> None:
     nodeid = item.nodeid
     sys.__stderr__.write(f"\n[watchdog] {nodeid} still running after {TEST_LIMIT_S:.0f}s; its stacks:\n")
     faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    _dump_tasks(sys.__stderr__)
     for child in psutil.Process().children(recursive=True):  # Monarch procs, vLLM engine cores
         child.kill()
     sys.__stderr__.flush()
