@@ -160,3 +160,29 @@ def test_a_stall_of_the_checking_process_restarts_the_clock_not_the_engine():
     assert live.hung(36.5) is not None  # the engine still owes progress within the bound afterwards
     idle = Liveness(6.0, 0.0, now=0.0)
     assert not idle.stalled(29.0, now=30.0)
+
+
+def test_cpu_samples_that_began_after_the_work_are_judged_over_their_span():
+    """The engine's check may start sampling CPU only after its requests came (an engine given work at
+    once, or a fixture's event loop idle until the test adds requests): no sample reaches back over the
+    whole bound. A starved engine that still gets CPU is working, not hung; one that uses none is hung,
+    with the CPU figure of the span in its evidence; below half the bound of samples, no verdict yet."""
+    busy = Liveness(6.0, 0.0, now=0.0)
+    idle = Liveness(6.0, 0.0, now=0.0)
+    for live in (busy, idle):
+        live.added("a", 10, now=0.0)
+    t = 2.0  # the first sample 2 s after the work began
+    while t <= 6.5:
+        busy.cpu(0.3 * (t - 2.0), now=t)  # 30% of a core: a loaded machine's share
+        idle.cpu(1.0, now=t)  # stopped: no CPU since the first sample
+        t += 0.5
+    assert busy.hung(6.5) is None
+    why = idle.hung(6.5)
+    assert why is not None and "used 0.00 CPU s in the last 4.5s" in why, why
+    late = Liveness(6.0, 0.0, now=0.0)
+    late.added("a", 10, now=0.0)
+    late.cpu(1.0, now=4.0)
+    late.cpu(1.0, now=6.5)
+    assert late.hung(6.5) is None  # 2.5 s of samples, under half the bound: asked again later
+    late.cpu(1.0, now=7.0)
+    assert late.hung(7.0) is not None  # 3 s of them, and no CPU used

@@ -74,7 +74,10 @@ class Scripted:
 def eng():
     cfg = Config(model=ModelConfig(cache_dir=CACHE),
                  generator=GeneratorConfig(concurrency=4, on_update="keep", max_new_tokens=MAX_NEW, ignore_eos=True,
-                                           max_model_len=128, start_timeout_s=240, request_timeout_s=60),
+                                           max_model_len=128, start_timeout_s=240, request_timeout_s=60,
+                                           # unsupervised and shared by the module: one false hang alarm under
+                                           # the suite's load failed every test after it (liveness: test_liveness)
+                                           hang_timeout_s=30),
                  task=TaskConfig(name="pipeline.tasks.calc", max_turns=3, max_total_tokens=40, max_obs_tokens=8,
                                  env_timeout_s=1.0))
     env_before = dict(os.environ)  # vLLM's CPU platform sets LOCAL_WORLD_SIZE etc. in this process

@@ -39,7 +39,8 @@ class Liveness:
     evidence when the engine has work and no progress within `bound()` while its processes used
     (almost) no CPU over that window and were never seen waiting on the machine (WAITING_STATES), or
     no progress within WORKING_CAP_FACTOR x `bound()` whatever they did; else None.
-    Without CPU samples the bound alone decides. Pure logic: the clock is passed in.
+    Without CPU samples the bound alone decides; samples that began after the work did are judged over
+    the span they cover, once it is half the bound. Pure logic: the clock is passed in.
 
     Example:
         live = Liveness(6.0, 0.005, now=0.0)
@@ -147,16 +148,27 @@ class Liveness:
         age, bound = now - self.last, self.bound()
         if age <= bound:
             return None
-        used = self.cpu_used(now, bound)
-        seen = self.states_seen(now, bound)
-        working = used is not None and used > CPU_BUSY_FRAC * bound
+        window = bound
+        used = self.cpu_used(now, window)
+        if used is None and self.samples:
+            # The samples began after the work did: the check started with it (an engine given requests at
+            # once), or its event loop was idle until they came (a test's fixture loop). No evidence was
+            # judged as no CPU at all, which made a starved engine's first seconds on a loaded machine a
+            # hang (three false alarms in one run of the suite). Judge on the span they cover, once it
+            # is half the bound; until then, ask again (the samples come every half second at most).
+            window = now - self.samples[0][0]
+            if window < 0.5 * bound:
+                return None
+            used = self.samples[-1][1] - self.samples[0][1]
+        seen = self.states_seen(now, window)
+        working = used is not None and used > CPU_BUSY_FRAC * window
         waiting = bool(WAITING_STATES & set(seen))
         if (working or waiting) and age <= WORKING_CAP_FACTOR * bound:
             return None
         pending = sum(self.prefill.values())
         calls = ", ".join(sorted(set(self.calls.values()))) or "none"
         doing = "working" if working else "waiting on the machine (state D)"
-        cpu = ("" if used is None else f"its processes used {used:.2f} CPU s in the last {bound:.1f}s"
+        cpu = ("" if used is None else f"its processes used {used:.2f} CPU s in the last {window:.1f}s"
                + (f" (states seen: {seen})" if seen else "")
                + (f" ({doing}, but past {WORKING_CAP_FACTOR:g} x the bound)" if working or waiting else "") + "; ")
         return (f"the vLLM engine is hung: no progress for {age:.1f}s (bound {bound:.1f}s: "
