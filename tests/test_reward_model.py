@@ -239,9 +239,12 @@ def test_reward_model_faults_fail_the_sample_alone_and_a_killed_actor_is_replace
             await bad.finish("oov", [5, 6, 100_000])  # outside the vocabulary: that sample fails
         res["failed"] = e.value.reason
         hurried = RewardModelClient(rm, 0, 1e-4, "g1r0/")
-        with pytest.raises(RewardRejected) as e:
-            await hurried.finish("slow", seq)
-        res["timeout"] = e.value.reason
+        for attempt in range(5):  # an event loop starved past the reply's arrival runs the reply before the
+            try:                  # timer (asyncio takes I/O first): that score is in time; ask again
+                await hurried.finish(f"slow{attempt}", seq)
+            except RewardRejected as e:
+                res["timeout"] = e.reason
+                break
         res["after"] = await bad.finish("ok", seq)  # the actor serves on
         # SIGKILL the actor's proc while a stream is half sent; its finish waits for a successor
         client = RewardModelClient(rm, 4, 60, "g1r0/")
@@ -269,7 +272,7 @@ def test_reward_model_faults_fail_the_sample_alone_and_a_killed_actor_is_replace
         res = loop.run_until_complete(go())
     finally:
         monarch.actor.unhandled_fault_hook = hook
-    assert res["failed"] == "reward_model_failed" and res["timeout"] == "reward_model_timeout"
+    assert res["failed"] == "reward_model_failed" and res.get("timeout") == "reward_model_timeout"
     assert res["after"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
     assert res["waited"] and res["score"] == pytest.approx(scorer.score([seq])[0], abs=1e-5)
     assert res["unavailable"] in ("reward_model_unavailable", "reward_model_timeout")
