@@ -81,9 +81,7 @@ class SharedJob:
         self.out_dir, self.started, self.job, self.broken = out_dir, 0, None, False
 
     def get(self):
-        if self.job is not None and not self.broken and not self._answers():
-            self.broken = True
-        if self.job is None or self.broken:
+        if self.job is None or self.broken or not self._answers():
             self.close()
             self.started += 1
             self._gen = started_job(self.out_dir / f"job{self.started}")
