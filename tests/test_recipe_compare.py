@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -51,3 +52,24 @@ def test_a_recipe_needing_another_correction_gets_it():
         assert cfg.trainer.recipe == recipe
     with pytest.raises(Exception, match="correction"):
         load_config(REPO / recipe_compare.CONFIG, ["trainer.recipe=gspo"])  # why gspo needs seq_is here
+
+
+def test_an_earlier_reports_one_run_entry_stands_in_for_that_run_exactly(tmp_path):
+    run = {"rows": rows({0: (0.1, 0.05), 5: (0.3, 0.2), 10: (0.5, 0.4)}, 12, 20, clip_high=0.02), "exit_code": 0,
+           "wall_s": 100.0}
+    earlier = recipe_compare.summarise("dapo", [run], steps=10)
+    report = tmp_path / "recipes.json"
+    report.write_text(json.dumps([recipe_compare.summarise("none", [run, run], steps=10), earlier]))
+    stand_in = recipe_compare.read_recorded("dapo", report)
+    again = recipe_compare.summarise("dapo", [stand_in], steps=10)
+    assert again["curve"] == earlier["curve"] and again["end"] == earlier["end"]
+    assert again["samples_per_step"] == earlier["samples_per_step"] == 32
+    # with a new seed beside it, the stand-in counts as one run of the recipe
+    other = {"rows": rows({0: (0.1, 0.05), 5: (0.2, 0.1), 10: (0.3, 0.2)}, 10, 30), "exit_code": 0, "wall_s": 90.0}
+    both = recipe_compare.summarise("dapo", [stand_in, other], steps=10)
+    assert dict(both["curve"]["greedy"])[10] == {"mean": pytest.approx(0.4), "min": 0.3, "max": 0.5, "n": 2}
+    assert both["wall_s"] == [90]  # an earlier run's wall is not mixed into this tree's
+    with pytest.raises(ValueError, match="exactly one finished run"):
+        recipe_compare.read_recorded("none", report)  # two runs: which one it was is lost
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        recipe_compare.read_recorded("dapo", tmp_path)

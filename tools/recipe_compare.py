@@ -11,7 +11,10 @@ trainer.recipe=R run.seed=S run.steps=N ...`), one after another (they would sha
 config's token-level `tis` is refused with a sequence-level ratio), `dapo` with
 `buffer.zero_signal=drop` (its dynamic sampling). Every run has the same batch (4 groups of 8), so
 equal steps are equal trained samples. `--recorded LABEL=DIR,DIR` adds finished runs of the same
-config (their rows up to --steps), e.g. the three seeds of the recipe's default loss.
+config (their rows up to --steps), e.g. the three seeds of the recipe's default loss; a LABEL that is
+also in --recipes adds them to that recipe's runs (earlier seeds of it). A source may also be an
+earlier recipes.json of this tool, whose one-run entry for LABEL stands in for that run (its eval
+figures and its last-three-step means, exactly as that run gave them).
 
 Per recipe it reports, at each eval step, held-out greedy accuracy, sampled accuracy and pass@k
 (mean over seeds, and min..max), and over the last three steps the mean response length, the
@@ -66,6 +69,32 @@ def summarise(label: str, runs: list[dict], steps: int) -> dict:
     res["end"] = {k: v for k, v in res["end"].items() if v}
     res["samples_per_step"] = ok[0]["rows"][-1].get("samples")
     return res
+
+
+def read_recorded(label: str, src: Path) -> dict:
+    """A finished run: a run directory (its metrics.jsonl), or an earlier recipes.json of this tool whose
+    entry for `label` holds exactly one run. That entry's figures become the rows `summarise` reads: one
+    eval row per eval step, and three training rows holding its last-three-step means, so the summary
+    of the stand-in is the summary of the run."""
+    if src.is_dir():
+        if not (src / "metrics.jsonl").exists():
+            raise ValueError(f"{src} has no metrics.jsonl")
+        return {"rows": read_jsonl(src / "metrics.jsonl"), "exit_code": 0, "wall_s": None}
+    if src.suffix != ".json" or not src.exists():
+        raise ValueError(f"{src} is neither a run directory nor a recipes.json")
+    entry = [r for r in json.loads(src.read_text()) if r.get("recipe") == label]
+    if not entry or entry[0].get("ok") != 1 or "curve" not in entry[0]:
+        raise ValueError(f"{src} has no entry for {label!r} of exactly one finished run")
+    e = entry[0]
+    keys = dict(EVALS)
+    evals: dict[int, dict] = {}
+    for name, pts in e["curve"].items():
+        for step, d in pts:
+            evals.setdefault(step, {"step": step})[keys[name]] = d["mean"]
+    last = max(evals)
+    train = {"reward/mean": None, "samples": e.get("samples_per_step"), **{k: d["mean"] for k, d in e.get("end", {}).items()}}
+    rows = [*evals.values(), *({"step": last - 2 + i, **train} for i in range(3))]
+    return {"rows": sorted(rows, key=lambda x: x["step"]), "exit_code": 0, "wall_s": None}
 
 
 def fmt(d: dict, digits: int = 3) -> str:
@@ -137,19 +166,20 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out).resolve()  # the runs start in the repository
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    recipes = [r for r in args.recipes.split(",") if r]
+    recorded: dict[str, list[dict]] = {}
     for spec in args.recorded:
         label, _, dirs = spec.partition("=")
         if not label or not dirs:
             ap.error(f"--recorded {spec!r}: expected LABEL=DIR[,DIR...]")
-        runs = []
         for d in dirs.split(","):
-            if not (Path(d) / "metrics.jsonl").exists():
-                ap.error(f"--recorded {label}: {d} has no metrics.jsonl")
-            runs.append({"rows": read_jsonl(Path(d) / "metrics.jsonl"), "exit_code": 0, "wall_s": None})
-        results.append(summarise(label, runs, args.steps))
-    for recipe in [r for r in args.recipes.split(",") if r]:
-        runs = []
+            try:
+                recorded.setdefault(label, []).append(read_recorded(label, Path(d)))
+            except ValueError as e:
+                ap.error(f"--recorded {label}: {e}")
+    results = [summarise(label, runs, args.steps) for label, runs in recorded.items() if label not in recipes]
+    for recipe in recipes:
+        runs = list(recorded.get(recipe, []))
         for seed in args.seeds.split(","):
             run_dir = out / f"{recipe}-s{seed}"
             overrides = [f"trainer.recipe={recipe}", f"run.seed={seed}", f"run.steps={args.steps}",

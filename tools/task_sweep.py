@@ -45,19 +45,24 @@ def short(task: str) -> str:
     return task.rsplit(".", 1)[-1]
 
 
+def _but_out_dir(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("run.out_dir=")]
+
+
 def run_cli(run_dir: Path, overrides: list[str], config: str, timeout: float, reuse: bool, label: str) -> dict:
     """One whole CLI run (`python -m pipeline.run --config <config> <overrides>`) into run_dir, its
-    output in run_dir/run.log; with `reuse`, a finished run there with the same overrides is read
-    instead. Returns its exit code, wall seconds and metrics rows. The run starts in the repository,
-    so `config` and `run_dir` are taken as absolute paths (relative ones from where this runs, or
-    a config from the repository)."""
+    output in run_dir/run.log; with `reuse`, a finished run there with the same overrides (but for
+    run.out_dir: a finished run may be copied) is read instead. Returns its exit code, wall seconds
+    and metrics rows. The run starts in the repository, so `config` and `run_dir` are taken as
+    absolute paths (relative ones from where this runs, or a config from the repository)."""
     config = str(Path(config).resolve() if Path(config).exists() else REPO / config)
     cfg = load_config(config, overrides)  # a bad override or task fails here, before any run
     done = run_dir / "sweep_run.json"
     prev = json.loads(done.read_text()) if reuse and done.exists() else {}
-    if prev and prev["overrides"] != overrides:
+    same = bool(prev) and _but_out_dir(prev["overrides"]) == _but_out_dir(overrides)  # a run copied elsewhere
+    if prev and not same:
         print(f"[{label}] not reusing {run_dir}: it ran with other overrides", flush=True)
-    if prev and prev["overrides"] == overrides:
+    if same:
         code, wall = prev["exit_code"], prev["wall_s"]
         print(f"[{label}] reusing the finished run in {run_dir}", flush=True)
     else:
