@@ -73,3 +73,7 @@ def test_an_earlier_reports_one_run_entry_stands_in_for_that_run_exactly(tmp_pat
         recipe_compare.read_recorded("none", report)  # two runs: which one it was is lost
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         recipe_compare.read_recorded("dapo", tmp_path)
+    kept = tmp_path / "dapo_s11.metrics.jsonl"  # a run's metrics kept on their own
+    kept.write_text("".join(json.dumps(r) + "\n" for r in run["rows"]))
+    assert recipe_compare.summarise("dapo", [recipe_compare.read_recorded("dapo", kept)], steps=10)["curve"] == \
+        earlier["curve"]

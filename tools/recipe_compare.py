@@ -11,9 +11,9 @@ trainer.recipe=R run.seed=S run.steps=N ...`), one after another (they would sha
 config's token-level `tis` is refused with a sequence-level ratio), `dapo` with
 `buffer.zero_signal=drop` (its dynamic sampling). Every run has the same batch (4 groups of 8), so
 equal steps are equal trained samples. `--recorded LABEL=DIR,DIR` adds finished runs of the same
-config (their rows up to --steps), e.g. the three seeds of the recipe's default loss; a LABEL that is
-also in --recipes adds them to that recipe's runs (earlier seeds of it). A source may also be an
-earlier recipes.json of this tool, whose one-run entry for LABEL stands in for that run (its eval
+config (their rows up to --steps; a directory or its metrics .jsonl), e.g. the three seeds of the
+recipe's default loss; a LABEL that is also in --recipes adds them to that recipe's runs (earlier
+seeds of it). A source may also be an earlier recipes.json of this tool, whose one-run entry for LABEL stands in for that run (its eval
 figures and its last-three-step means, exactly as that run gave them).
 
 Per recipe it reports, at each eval step, held-out greedy accuracy, sampled accuracy and pass@k
@@ -72,16 +72,18 @@ def summarise(label: str, runs: list[dict], steps: int) -> dict:
 
 
 def read_recorded(label: str, src: Path) -> dict:
-    """A finished run: a run directory (its metrics.jsonl), or an earlier recipes.json of this tool whose
-    entry for `label` holds exactly one run. That entry's figures become the rows `summarise` reads: one
-    eval row per eval step, and three training rows holding its last-three-step means, so the summary
-    of the stand-in is the summary of the run."""
+    """A finished run: a run directory (its metrics.jsonl), a metrics .jsonl file, or an earlier
+    recipes.json of this tool whose entry for `label` holds exactly one run. That entry's figures
+    become the rows `summarise` reads: one eval row per eval step, and three training rows holding its
+    last-three-step means, so the summary of the stand-in is the summary of the run."""
     if src.is_dir():
         if not (src / "metrics.jsonl").exists():
             raise ValueError(f"{src} has no metrics.jsonl")
         return {"rows": read_jsonl(src / "metrics.jsonl"), "exit_code": 0, "wall_s": None}
+    if src.suffix == ".jsonl" and src.is_file():  # a run's metrics.jsonl kept on its own (docs/data)
+        return {"rows": read_jsonl(src), "exit_code": 0, "wall_s": None}
     if src.suffix != ".json" or not src.exists():
-        raise ValueError(f"{src} is neither a run directory nor a recipes.json")
+        raise ValueError(f"{src} is neither a run directory, a metrics .jsonl nor a recipes.json")
     entry = [r for r in json.loads(src.read_text()) if r.get("recipe") == label]
     if not entry or entry[0].get("ok") != 1 or "curve" not in entry[0]:
         raise ValueError(f"{src} has no entry for {label!r} of exactly one finished run")
