@@ -13,8 +13,8 @@ config's token-level `tis` is refused with a sequence-level ratio), `dapo` with
 equal steps are equal trained samples. `--recorded LABEL=DIR,DIR` adds finished runs of the same
 config (their rows up to --steps; a directory or its metrics .jsonl), e.g. the three seeds of the
 recipe's default loss; a LABEL that is also in --recipes adds them to that recipe's runs (earlier
-seeds of it). A source may also be an earlier recipes.json of this tool, whose one-run entry for LABEL stands in for that run (its eval
-figures and its last-three-step means, exactly as that run gave them).
+seeds of it). A source may also be an earlier recipes.json of this tool, whose one-run entry for
+LABEL stands in for that run (its eval figures and its last-three-step means, as that run gave them).
 
 Per recipe it reports, at each eval step, held-out greedy accuracy, sampled accuracy and pass@k
 (mean over seeds, and min..max), and over the last three steps the mean response length, the
@@ -76,12 +76,11 @@ def read_recorded(label: str, src: Path) -> dict:
     recipes.json of this tool whose entry for `label` holds exactly one run. That entry's figures
     become the rows `summarise` reads: one eval row per eval step, and three training rows holding its
     last-three-step means, so the summary of the stand-in is the summary of the run."""
-    if src.is_dir():
-        if not (src / "metrics.jsonl").exists():
-            raise ValueError(f"{src} has no metrics.jsonl")
-        return {"rows": read_jsonl(src / "metrics.jsonl"), "exit_code": 0, "wall_s": None}
-    if src.suffix == ".jsonl" and src.is_file():  # a run's metrics.jsonl kept on its own (docs/data)
-        return {"rows": read_jsonl(src), "exit_code": 0, "wall_s": None}
+    metrics = src / "metrics.jsonl" if src.is_dir() else src  # or a run's metrics kept on their own (docs/data)
+    if src.is_dir() and not metrics.exists():
+        raise ValueError(f"{src} has no metrics.jsonl")
+    if metrics.suffix == ".jsonl" and metrics.is_file():
+        return {"rows": read_jsonl(metrics), "exit_code": 0, "wall_s": None}
     if src.suffix != ".json" or not src.exists():
         raise ValueError(f"{src} is neither a run directory, a metrics .jsonl nor a recipes.json")
     entry = [r for r in json.loads(src.read_text()) if r.get("recipe") == label]
@@ -94,7 +93,8 @@ def read_recorded(label: str, src: Path) -> dict:
         for step, d in pts:
             evals.setdefault(step, {"step": step})[keys[name]] = d["mean"]
     last = max(evals)
-    train = {"reward/mean": None, "samples": e.get("samples_per_step"), **{k: d["mean"] for k, d in e.get("end", {}).items()}}
+    train = {"reward/mean": None, "samples": e.get("samples_per_step"),
+             **{k: d["mean"] for k, d in e.get("end", {}).items()}}
     rows = [*evals.values(), *({"step": last - 2 + i, **train} for i in range(3))]
     return {"rows": sorted(rows, key=lambda x: x["step"]), "exit_code": 0, "wall_s": None}
 
