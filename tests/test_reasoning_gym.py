@@ -105,6 +105,27 @@ def test_the_datasets_scorer_gives_its_own_answer_1_and_a_wrong_or_untagged_one_
 
 
 @needs_rg
+@pytest.mark.parametrize("dataset", ["chain_sum", "leg_counting"])
+def test_the_boxed_format_is_asked_for_read_and_demonstrated_and_the_tags_no_longer_count(dataset):
+    task = rg_task(dataset, rg_answer_format="boxed", apply_chat_template=True)
+    for item in take(task, 0, "train", 10) + take(task, 0, "eval", 4):
+        user = item.prompt[-1]["content"]
+        assert user.endswith("\n\nPut the final answer in \\boxed{}.") and "<answer>" not in user
+        assert task.demonstration(item) == f"\\boxed{{{item.answer}}}"
+        assert task.reward(item.prompt, task.demonstration(item)) == 1.0
+        # the last complete box counts, spaces stripped, inside $...$ too; an unclosed one is not read
+        assert task.reward(item.prompt, f"So $\\boxed{{0}}$... no: $\\boxed{{ {item.answer} }}$ \\boxed{{9") == 1.0
+        assert task.reward(item.prompt, f"\\boxed{{{item.answer}}} then \\boxed{{wrong}}") == 0.0
+        assert task.reward(item.prompt, f"<answer>{item.answer}</answer>") == 0.0  # not the stated format
+        assert task.reward(item.prompt, item.answer) == 0.0
+    # the same items as the tags format, but for the instruction: the format changes no draw
+    tags = rg_task(dataset, apply_chat_template=True)
+    assert [i.answer for i in take(tags, 0, "train", 50)] == [i.answer for i in take(task, 0, "train", 50)]
+    with pytest.raises(ConfigError, match=re.escape("task.rg_answer_format='json' is invalid; allowed: tags")):
+        load_config(None, [f"task.name={NAME}", "task.rg_answer_format=json"])
+
+
+@needs_rg
 def test_an_answer_the_scorer_cannot_parse_scores_0_and_an_unknown_prompt_is_rejected():
     task = rg_task("prime_factorization")
     item = take(task, 0, "train", 1)[0]

@@ -90,6 +90,11 @@ class TaskConfig:
     """pipeline.tasks.reasoning_gym: a name in reasoning_gym.utils.SYSTEM_PROMPTS (default, simple, direct,
     DeepSeekZero, chain_of_draft) sent as a system message before each question (with
     task.apply_chat_template=false: written before it); empty: none, the user turn alone states the format."""
+    rg_answer_format: str = "tags"
+    """pipeline.tasks.reasoning_gym: how a completion states its answer, which the prompt asks for and the
+    reward reads. tags: between <answer> and </answer> (reasoning-gym's own extract_answer); boxed: in
+    \\boxed{} (the last complete one), the form math-tuned instruct checkpoints already write, so such a
+    checkpoint can learn by RL alone, without a warm start to teach it the tags."""
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")
@@ -111,6 +116,8 @@ class TaskConfig:
         check(1 <= self.rg_size <= 1_000_000, "task.rg_size", self.rg_size, "1..1000000")
         check(not self.rg_dataset or self.rg_dataset.isidentifier(), "task.rg_dataset", self.rg_dataset,
               "a reasoning-gym dataset name like 'basic_arithmetic', or empty")
+        check(self.rg_answer_format in ("tags", "boxed"), "task.rg_answer_format", self.rg_answer_format,
+              "tags (<answer>...</answer>) or boxed (\\boxed{...})")
         for key in self.rg_config:
             check(isinstance(key, str) and key.isidentifier(), f"task.rg_config.{key}", self.rg_config[key],
                   "a field of the dataset's config (a Python identifier)")

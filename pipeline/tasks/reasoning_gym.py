@@ -6,9 +6,10 @@ the dataset's own `score_answer`. An optional extra: `pip install reasoning-gym=
 
 Config: `task.rg_dataset` (the dataset's registered name), `task.rg_config` (fields of its config
 dataclass), `task.rg_size` (train items), `task.rg_system_prompt` (optional, a name in
-reasoning_gym.utils.SYSTEM_PROMPTS) and `task.apply_chat_template`. A name reasoning-gym does not
-have, a field its config lacks or a value its validate() refuses fails at load with a TaskError
-naming the key (the CLI exits 2 with that one line).
+reasoning_gym.utils.SYSTEM_PROMPTS), `task.rg_answer_format` (tags or boxed) and
+`task.apply_chat_template`. A name reasoning-gym does not have, a field its config lacks or a value
+its validate() refuses fails at load with a TaskError naming the key (the CLI exits 2 with that one
+line).
 
 Splits. Train: items 0..rg_size-1 of `create_dataset(name, seed=task.seed, size=rg_size, **rg_config)`.
 Eval: the same dataset and config with the held-out seed `task.seed + EVAL_SEED_OFFSET` (2**30): its
@@ -19,16 +20,20 @@ share a seed; and a small problem space (`Calculate 2 - 1.`) can still draw the 
 which the filter drops. The items come from task.seed whatever seed `prompts` is called with (as the
 file tasks' rows): the stream's seed only orders them, and the reward must know every item.
 
-Prompt: the question, then ANSWER_FORMAT (the `<answer>...</answer>` tags reasoning-gym's
-`extract_answer` reads); with task.apply_chat_template one user message (after a system message when
-task.rg_system_prompt is set), else a string (the system prompt, if any, written before it).
+Prompt: the question, then ANSWER_FORMATS[task.rg_answer_format]: `tags` (the default) asks for the
+`<answer>...</answer>` tags reasoning-gym's `extract_answer` reads, `boxed` for `\\boxed{...}`, which
+math-tuned instruct checkpoints already write; with task.apply_chat_template one user message (after
+a system message when task.rg_system_prompt is set), else a string (the system prompt, if any,
+written before it).
 
-Reward: `score_answer(extract_answer(completion), entry)`, in [0, 1], the entry looked up by prompt
-(types.prompt_key); a completion without the tags scores 0. A scorer that cannot parse a malformed
-answer raises (prime_factorization: ValueError, coin_flip: OverflowError, boxnet: TypeError): that
-answer scores 0; any other exception is the scorer's failure and is rejected (reward_raised).
-`demonstration(item)` is `<answer>{entry["answer"]}</answer>` when the dataset gives answers (a few
-accept any valid solution and give None: boxnet, graph_color, propositional_logic, rubiks_cube,
+Reward: `score_answer(answer, entry)`, in [0, 1], the entry looked up by prompt (types.prompt_key),
+the answer read in the stated format: `extract_answer(completion)` (the last tags) for `tags`, the
+content of the last complete `\\boxed{}` (graders.last_boxed) for `boxed`, stripped; a completion
+without it scores 0. A scorer that cannot parse a malformed answer raises (prime_factorization:
+ValueError, coin_flip: OverflowError, boxnet: TypeError): that answer scores 0; any other exception
+is the scorer's failure and is rejected (reward_raised). `demonstration(item)` is the reference
+answer in the stated format (`<answer>42</answer>`, `\\boxed{42}`) when the dataset gives answers (a
+few accept any valid solution and give None: boxnet, graph_color, propositional_logic, rubiks_cube,
 rush_hour; those have no demonstration, so no fixed warm start).
 
 Every process that loads the task (the driver, the buffer, each generator) generates all its items,
@@ -50,9 +55,11 @@ from typing import Any
 from pipeline.config import TaskConfig
 from pipeline.tasks import TaskError
 from pipeline.tasks.answers import shown
+from pipeline.tasks.graders import last_boxed
 from pipeline.types import Prompt, PromptItem, prompt_key
 
-__all__ = ["ReasoningGymTask", "from_config", "EVAL_SEED_OFFSET", "ANSWER_FORMAT", "PER_PROCESS_DATASETS"]
+__all__ = ["ReasoningGymTask", "from_config", "EVAL_SEED_OFFSET", "ANSWER_FORMAT", "ANSWER_FORMATS",
+           "PER_PROCESS_DATASETS"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,8 @@ INSTALL = "pip install reasoning-gym==0.1.25 (the project's `reasoning-gym` extr
 EVAL_SEED_OFFSET = 2**30
 """The eval split's seed is task.seed + this: past every train item's Random(seed + i)."""
 ANSWER_FORMAT = "Give your final answer between <answer> and </answer> tags."
+ANSWER_FORMATS = {"tags": ANSWER_FORMAT, "boxed": "Put the final answer in \\boxed{}."}
+"""task.rg_answer_format -> the instruction written after each question."""
 PER_PROCESS_DATASETS = frozenset({"isomorphic_strings", "knight_swap", "polynomial_multiplication", "ransom_note"})
 """Their questions differ between two processes with the same seed (they depend on Python's string
 hashing, PYTHONHASHSEED): the generators' copy would not match the buffer's prompts."""
@@ -94,7 +103,8 @@ class ReasoningGymTask:
         from reasoning_gym.factory import DATASETS
         from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
-        self.name, self.chat, self._extract = cfg.rg_dataset, cfg.apply_chat_template, extract_answer
+        self.name, self.chat, self.format = cfg.rg_dataset, cfg.apply_chat_template, cfg.rg_answer_format
+        self._extract = extract_answer if self.format == "tags" else _boxed
         if self.name not in DATASETS:
             near = difflib.get_close_matches(self.name, DATASETS, n=1)
             raise _bad("task.rg_dataset", self.name, (f"did you mean {near[0]!r}? " if near else "")
@@ -146,7 +156,7 @@ class ReasoningGymTask:
                  len(train), cfg.seed, len(evals), cfg.seed + EVAL_SEED_OFFSET, time.monotonic() - start)
 
     def _prompt(self, question: str) -> Prompt:
-        user = f"{question.rstrip()}\n\n{ANSWER_FORMAT}"
+        user = f"{question.rstrip()}\n\n{ANSWER_FORMATS[self.format]}"
         if self.chat:
             return ([{"role": "system", "content": self.system}] if self.system else []) + \
                 [{"role": "user", "content": user}]
@@ -174,7 +184,7 @@ class ReasoningGymTask:
     def reward(self, prompt: Prompt, completion: str) -> float:
         ds, entry = self.entry(prompt)
         answer = self._extract(completion)
-        if answer is None:  # no <answer> tags: the stated format was not followed
+        if answer is None:  # no <answer> tags (no \\boxed{}): the stated format was not followed
             return 0.0
         try:
             score = float(ds.score_answer(answer, entry))
@@ -188,4 +198,10 @@ class ReasoningGymTask:
         answer = self.entry(item.prompt)[1]["answer"]
         if answer is None:
             raise ValueError(f"{self.name}: item {item.uid} has no reference answer to demonstrate")
-        return f"<answer>{answer}</answer>"
+        return f"<answer>{answer}</answer>" if self.format == "tags" else f"\\boxed{{{answer}}}"
+
+
+def _boxed(completion: str) -> str | None:
+    """The stripped content of the completion's last complete \\boxed{}, or None."""
+    found = last_boxed(completion)
+    return None if found is None else found.strip()
