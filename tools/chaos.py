@@ -97,15 +97,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out/chaos")
     ap.add_argument("--stop", action="store_true", help="SIGSTOP (a hang) instead of SIGKILL (a death)")
-    ap.add_argument("--quick", action="store_true", help="2 kills of the only generator, 20 steps (the test)")
+    ap.add_argument("--quick", action="store_true", help="2 kills of the only generator, 30 steps (the test)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if args.quick:
-        # one generator: training waits for each recovery, so the run cannot end before it
-        args.kills, args.steps, args.gap, args.generators = 2, 20, (1.0, 3.0), 1
+        # one generator: training waits for each recovery, so the run cannot end before it. The tiny
+        # job's steps of 16 samples can take ~0.2 s on idle cores: a kill 1-3 s after a step came too
+        # late at 20 steps (step 19 when kill 1 was due); kills within 0.5 s, out of 30 steps
+        args.kills, args.steps, args.gap, args.generators = 2, 30, (0.0, 0.5), 1
         # deaths only (found by their death notices): a loose hang bound, so a loaded machine (the
         # suite's other worker) stalling the generator's process for 30 s is not taken for a hang
-        args.overrides = ["buffer.batch_groups=4", "buffer.group_size=4", "run.eval_every=20", "task.eval_prompts=16",
+        args.overrides = ["buffer.batch_groups=4", "buffer.group_size=4", "run.eval_every=30", "task.eval_prompts=16",
                           "run.warm_start_steps=5", "generator.hang_timeout_s=30", *args.overrides]
     rng = random.Random(args.seed)
     out = Path(args.out)
@@ -173,7 +175,7 @@ def main() -> int:
         "no group lost to a kill": bool(buf) and set(buf["dropped_groups"]) <= {"stale", "zero_signal"},
         f"all {args.kills} kills made and recovered": len(kills) == args.kills,
     }
-    if not args.quick:  # sampled or greedy, either alone is noisy; --quick's 20 steps prove no learning
+    if not args.quick:  # sampled or greedy, either alone is noisy; --quick's 30 steps prove no learning
         checks["held-out reward rose"] = len(evals) >= 2 and any(evals[-1][k] > evals[0][k]
                                                                  for k in ("eval/reward", "eval/reward_greedy"))
     print("\n| kill | what | generator | detection s | recovery s | groups requeued |")
