@@ -93,8 +93,9 @@ class TaskConfig:
     rg_answer_format: str = "tags"
     """pipeline.tasks.reasoning_gym: how a completion states its answer, which the prompt asks for and the
     reward reads. tags: between <answer> and </answer> (reasoning-gym's own extract_answer); boxed: in
-    \\boxed{} (the last complete one), the form math-tuned instruct checkpoints already write, so such a
-    checkpoint can learn by RL alone, without a warm start to teach it the tags."""
+    \\boxed{} (the last complete one): for a checkpoint that already boxes its answers, which can then
+    learn by RL alone, without a warm start to teach it the tags (SmolLM2-135M does not box them on
+    reasoning-gym's prompts: docs/configuration.md)."""
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")

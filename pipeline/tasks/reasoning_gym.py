@@ -21,8 +21,8 @@ which the filter drops. The items come from task.seed whatever seed `prompts` is
 file tasks' rows): the stream's seed only orders them, and the reward must know every item.
 
 Prompt: the question, then ANSWER_FORMATS[task.rg_answer_format]: `tags` (the default) asks for the
-`<answer>...</answer>` tags reasoning-gym's `extract_answer` reads, `boxed` for `\\boxed{...}`, which
-math-tuned instruct checkpoints already write; with task.apply_chat_template one user message (after
+`<answer>...</answer>` tags reasoning-gym's `extract_answer` reads, `boxed` for `\\boxed{...}` (for a
+checkpoint that already boxes its answers); with task.apply_chat_template one user message (after
 a system message when task.rg_system_prompt is set), else a string (the system prompt, if any,
 written before it).
 
