@@ -43,7 +43,7 @@ class TaskConfig:
     apply_chat_template: bool = False
     """pipeline.tasks.dataset, pipeline.tasks.reasoning_gym: send each string prompt as one user message
     ([{"role": "user", "content": prompt}]), rendered by the checkpoint's chat template with the generation
-    prompt, as a column of messages is; what an instruct checkpoint such as Qwen3 was trained on. false: a
+    prompt, as a column of messages is; what an instruct checkpoint was trained on. false: a
     string prompt is tokenized as it is."""
     grader: str = "pipeline.tasks.graders.math"
     """pipeline.tasks.dataset: dotted path of `grade(completion, reference) -> float` (pipeline/tasks/graders.py:
@@ -73,8 +73,8 @@ class TaskConfig:
     as env_timeout. Calls run on threads off the event loop, like rewards."""
     enable_thinking: bool | None = None
     """Chat prompts (a task's prompt given as a list of messages): passed to the checkpoint's chat
-    template as `enable_thinking` (Qwen3: false renders an empty think block, so the model answers
-    at once); null (the default): not passed, the template's own default. Unused for str prompts."""
+    template as `enable_thinking` (a template with a think block renders it empty for false, so the
+    model answers at once); null (the default): not passed, the template's own default. Unused for str prompts."""
     rg_dataset: str = ""
     """pipeline.tasks.reasoning_gym: the reasoning-gym dataset by its registered name (basic_arithmetic,
     chain_sum, leg_counting, ...); an unknown name fails when the task loads, listing the names."""
@@ -94,8 +94,8 @@ class TaskConfig:
     """pipeline.tasks.reasoning_gym: how a completion states its answer, which the prompt asks for and the
     reward reads. tags: between <answer> and </answer> (reasoning-gym's own extract_answer); boxed: in
     \\boxed{} (the last complete one): for a checkpoint that already boxes its answers, which can then
-    learn by RL alone, without a warm start to teach it the tags (SmolLM2-135M does not box them on
-    reasoning-gym's prompts: docs/configuration.md)."""
+    learn by RL alone, without a warm start to teach it the tags (measured: docs/configuration.md,
+    "The reasoning-gym task")."""
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "." in self.name, "task.name", self.name, "a dotted path like 'pkg.module'")
