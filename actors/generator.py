@@ -144,6 +144,12 @@ class GeneratorActor(Actor):
         self.core.attach_reward_model(handle, stream_prefix(self.core.gid, self.incarnation))
 
     @concurrent_endpoint
+    async def attach_teacher(self, handle) -> None:
+        """Take the teacher's per-token log-probs (actors/teacher.py) for every rollout; a later call,
+        after the teacher's restart, replaces it. Stream ids as attach_reward_model's."""
+        self.core.attach_teacher(handle, stream_prefix(self.core.gid, self.incarnation))
+
+    @concurrent_endpoint
     async def stage_weights(self, version: int) -> dict[str, float]:
         """Bring `version` into this generator's staging through the transport; generation goes on
         meanwhile (a concurrent endpoint, so stats keep answering during a long transfer). Returns

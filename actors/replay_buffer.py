@@ -13,6 +13,7 @@ Protocol (generators pull work and push samples; the trainer pulls batches):
     await buf.skip_batch.call_one(batch.group_ids)   # the trainer skipped its step: groups dropped
     stats = await buf.finish_step.call_one(v + 1, mean_reward)   # new version, Δ update -> stats()
     stats = await buf.stats.call_one()
+    await buf.set_zero_signal.call_one("drop")       # buffer.zero_signal=auto: dynamic sampling on from now
 
 `get_batch` and `admit(wait_s > 0)` are concurrent endpoints that wait on one asyncio.Condition,
 so `add` and `finish_step` keep being served while they wait; every state change notifies it.
@@ -181,6 +182,14 @@ class ReplayBufferActor(Actor):
     @endpoint
     async def stats(self) -> dict:
         return self._stats()
+
+    @endpoint
+    async def set_zero_signal(self, mode: str) -> str:
+        """Dynamic sampling on ("drop") or off ("keep") for groups that finish from now on
+        (buffer.zero_signal=auto, ReplayBufferCore.set_zero_signal; raises on a mode the config
+        does not allow); returns the mode now in force."""
+        self.core.set_zero_signal(mode)
+        return self.core.zero_signal_mode
 
     @endpoint
     async def state_dict(self) -> dict:

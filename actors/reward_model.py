@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class RewardModelActor(Actor):
+    RESULT = "score"  # the key of a finished stream's result (TeacherActor: "logprobs")
+
     def __init__(self, cfg: Config, incarnation: int = 0):
         logs.configure(cfg.run.log_level)
         self.cfg, self.incarnation = cfg, incarnation
@@ -54,26 +56,32 @@ class RewardModelActor(Actor):
         self._errors = 0
         self._forwards = 0
 
+    def _placement(self):
+        return reward_model_placement(self.cfg)
+
     @endpoint
     async def setup(self) -> dict:
         """Pin this proc (reward_model.cpus), load the scorer; its placement, pid and load seconds."""
-        import torch
         import transformers
 
-        from pipeline.reward_model import StreamingScorer
-
-        placed = apply(reward_model_placement(self.cfg))
+        placed = apply(self._placement())
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
-        rc = self.cfg.reward_model
         t0 = time.monotonic()
-        device = "cuda" if rc.device == "cuda" else "cpu"
-        self.scorer = await asyncio.to_thread(StreamingScorer, rc.path, device, torch.float32, rc.max_sequences,
-                                              rc.max_batch)
+        self.scorer = await asyncio.to_thread(self._load)
         self._more = asyncio.Event()
         self._worker = asyncio.create_task(self._serve())
         return {"placement": placed, "pid": os.getpid(), "procs": [me()], "load_s": time.monotonic() - t0,
                 "vocab_size": self.scorer.vocab_size}
+
+    def _load(self):
+        import torch
+
+        from pipeline.reward_model import StreamingScorer
+
+        rc = self.cfg.reward_model
+        device = "cuda" if rc.device == "cuda" else "cpu"
+        return StreamingScorer(rc.path, device, torch.float32, rc.max_sequences, rc.max_batch)
 
     def _put(self, op: str, seq: str, offset: int = 0, tokens=(), want: bool = False):
         if self.scorer is None:
@@ -110,6 +118,7 @@ class RewardModelActor(Actor):
         s = self.scorer
         elapsed = max(time.monotonic() - self._t0, 1e-9)
         return {"incarnation": self.incarnation, "queued": len(self._queue), "held": s.held if s else 0,
+                "elapsed_s": elapsed, "busy_s": self._busy_s,
                 "busy_frac": self._busy_s / elapsed, "errors": self._errors,
                 "ops_per_forward": sum(self._batches) / len(self._batches) if self._batches else 0.0,
                 **(s.counts if s else {})}
@@ -152,7 +161,7 @@ class RewardModelActor(Actor):
                 self._errors += 1
                 results[i] = {"error": str(r)}
             else:
-                results[i] = {"lost": True} if r is None else {"score": r}
+                results[i] = {"lost": True} if r is None else {self.RESULT: r}
         for i, (op, seq, *_rest) in enumerate(ops):
             if op == "release":
                 results[i] = s.release(seq)

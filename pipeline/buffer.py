@@ -11,9 +11,15 @@ Groups are trained or dropped whole: the GRPO baseline is the group mean, so a g
 sample would have a biased baseline, and a batch always holds exactly B·G samples. Drop reasons:
 "stale" (some sample is older than η; with retry_stale its prompt is admitted again as a new
 group, before new prompts, so no prompt of a finite dataset is lost to staleness),
-"zero_signal" (equal rewards and zero_signal=drop),
+"zero_signal" (equal rewards while dynamic sampling is on: `zero_signal_mode` below),
 "failed" (release() by a generator), "skipped_step" (skip_batch(): the trainer skipped the step
 of the last batch taken).
+
+Dynamic sampling: `zero_signal_mode` is what a group with equal rewards gets when it finishes,
+"keep" (trained at advantage 0) or "drop". buffer.zero_signal=keep|drop fixes it; auto starts at keep
+and the driver switches it with set_zero_signal() after its pre-flight probe; groups that
+finished before the switch are not revisited. The mode is part of state_dict(), so a resumed auto run
+keeps its choice.
 
 Difficulty: every finished group's rewards go to `self.difficulty` (pipeline/difficulty.py, the
 online difficulty filter), which the actor asks before it admits a prompt drawn from the stream; its
@@ -137,6 +143,7 @@ class ReplayBufferCore:
             raise ValueError("buffer: zero_signal='drop' with group_size=1 drops every group "
                              "(one sample never has a reward spread); use zero_signal='keep'")
         self.cfg, self.pad_id = cfg, pad_id
+        self.zero_signal_mode = "drop" if cfg.zero_signal == "drop" else "keep"  # auto starts at keep
         self.overlong = overlong
         self.overlong_shaped = 0  # samples whose reward the overlong penalty lowered
         self.delta_ctl = DeltaController(cfg)
@@ -331,7 +338,7 @@ class ReplayBufferCore:
             rewards = [r + x for r, x in zip(rewards, shaping)]
         if max(rewards) == min(rewards):
             self.zero_signal_groups += 1
-            if self.cfg.zero_signal == "drop":
+            if self.zero_signal_mode == "drop":
                 self.dropped_groups["zero_signal"] += 1
                 self.wasted_tokens += sum(r.num_model_tokens for r in g.samples.values())
                 return
@@ -355,6 +362,21 @@ class ReplayBufferCore:
         self.dropped_groups[reason] += 1
         if reason == "stale" and self.cfg.retry_stale:  # never trained on: its prompt is not lost
             self._retry.append(g.group.item)
+
+    def set_zero_signal(self, mode: str) -> None:
+        """Dynamic sampling on ("drop") or off ("keep") for the groups that finish from now on
+        (buffer.zero_signal=auto; see the module docstring). ValueError for another mode, for a
+        mode other than an explicit buffer.zero_signal, and for "drop" with group_size 1 (every
+        group would be dropped)."""
+        if mode not in ("keep", "drop"):
+            raise ValueError(f"buffer: set_zero_signal({mode!r}); allowed: 'keep', 'drop'")
+        if self.cfg.zero_signal != "auto" and mode != self.cfg.zero_signal:
+            raise ValueError(f"buffer: set_zero_signal({mode!r}) under buffer.zero_signal={self.cfg.zero_signal!r}; "
+                             "only 'auto' is switched at runtime")
+        if mode == "drop" and self.cfg.group_size == 1:
+            raise ValueError("buffer: set_zero_signal('drop') with group_size=1 drops every group "
+                             "(one sample never has a reward spread)")
+        self.zero_signal_mode = mode
 
     # ---- versions and batches ----------------------------------------------------------------
     def set_trainer_version(self, version: int) -> None:
@@ -383,6 +405,10 @@ class ReplayBufferCore:
         loss_mask = torch.zeros((N, T), dtype=torch.float32)
         logprobs = torch.zeros((N, T), dtype=torch.float32)
         versions = torch.full((N, T), -1, dtype=torch.int64)
+        with_teacher = [r.teacher_logprobs is not None for r, _, _ in samples]
+        if any(with_teacher) and not all(with_teacher):
+            raise RuntimeError("buffer: a batch mixes rollouts with and without teacher log-probs")
+        teacher = torch.zeros((N, T), dtype=torch.float32) if all(with_teacher) else None
         for i, (r, _, _) in enumerate(samples):
             p, c = len(r.prompt_tokens), len(r.completion_tokens)
             input_ids[i, :p + c] = torch.tensor(r.prompt_tokens + r.completion_tokens, dtype=torch.int64)
@@ -390,6 +416,8 @@ class ReplayBufferCore:
                 versions[i, p:p + c] = torch.tensor(r.versions, dtype=torch.int64)
                 loss_mask[i, p:p + c] = (versions[i, p:p + c] >= 0).float()
                 logprobs[i, p:p + c] = torch.tensor(r.logprobs, dtype=torch.float32)
+                if teacher is not None:
+                    teacher[i, p:p + c] = torch.tensor(r.teacher_logprobs, dtype=torch.float32)
             self.staleness_hist[_staleness(r, self.version)] += 1
         self.trained_groups += B
         self.batches += 1
@@ -401,7 +429,8 @@ class ReplayBufferCore:
                      versions=versions, advantages=torch.tensor([a for _, a, _ in samples], dtype=torch.float32),
                      rewards=torch.tensor([r.reward for r, _, _ in samples], dtype=torch.float32),
                      group_ids=tuple(gid for _, _, gid in samples), trainer_version=self.version,
-                     truncated=torch.tensor([r.finish_reason == "length" for r, _, _ in samples], dtype=torch.bool))
+                     truncated=torch.tensor([r.finish_reason == "length" for r, _, _ in samples], dtype=torch.bool),
+                     teacher_logprobs=teacher)
 
     def skip_batch(self, group_ids: Iterable[int]) -> int:
         """The trainer skipped the step of the last batch taken (non-finite loss or gradient, no loss
@@ -465,6 +494,7 @@ class ReplayBufferCore:
             "requeued_groups": self.requeued_groups, "requeued_waiting": len(self._requeued),
             "retried_prompts": self.retried_prompts, "retry_waiting": len(self._retry),
             "zero_signal_groups": self.zero_signal_groups, "deferred_groups": self.deferred_groups,
+            "zero_signal_mode": self.zero_signal_mode,
             "staleness_hist": dict(sorted(self.staleness_hist.items())),
             "trainer_wait_s_total": self.wait_s_total, "trainer_wait_s_last": self.wait_s_last,
             **self.difficulty.stats(),
@@ -489,7 +519,7 @@ class ReplayBufferCore:
                 "in_flight": [(g.group, sum(r.num_model_tokens for r in g.samples.values()))
                               for g in self._in_flight.values()],
                 "delta_capped_steps": self.delta_capped_steps, "delta": self.delta_ctl.state_dict(),
-                "difficulty": self.difficulty.state_dict()}
+                "difficulty": self.difficulty.state_dict(), "zero_signal_mode": self.zero_signal_mode}
 
     def load_state_dict(self, s: dict) -> None:
         """Restore a state_dict into a fresh buffer: complete groups are ready to train, in-flight
@@ -508,6 +538,8 @@ class ReplayBufferCore:
         self.staleness_hist = Counter(s["staleness_hist"])
         self._retry = deque(s.get("retry", ()))  # a checkpoint from before retry_stale has none
         self.retried_prompts = s.get("retried_prompts", 0)
+        if self.cfg.zero_signal == "auto":  # an explicit keep|drop wins over the checkpoint's choice
+            self.zero_signal_mode = s.get("zero_signal_mode", "keep")  # a checkpoint from before auto: keep
         for group, samples, advantages in s["complete"]:
             self._complete[group.group_id] = _Group(group, dict(enumerate(samples)), list(advantages))
         for group, received_tokens in s["in_flight"]:

@@ -137,6 +137,35 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.T
     raise ValueError(f"losses: unknown trainer.kl_estimator={estimator!r}")
 
 
+def token_advantages(advantages: torch.Tensor, old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                     reward_coef: float, distill_coef: float) -> torch.Tensor:
+    """On-policy distillation's per-token advantage [N, T-1] (detached): the group advantage [N] times
+    reward_coef, plus distill_coef · −(log π_old(y_t) − log π_teacher(y_t)) on every loss token, the
+    reverse-KL estimator on the sampled token (no discounting; Agarwal et al. 2024, Thinking Machines
+    2025). `old` is the learner's log-prob before the batch's first step (the student whose samples
+    these are, up to the importance correction), `teacher` the teacher's, both shifted like `mask`."""
+    mask = mask.to(old.dtype)
+    gap = torch.where(mask > 0, (teacher.to(old.dtype) - old).detach(), torch.zeros_like(old))
+    return (reward_coef * advantages.to(old.dtype)[:, None] + distill_coef * gap) * mask
+
+
+def distill_sums(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                 buckets: tuple[int, ...] = (0, 16, 64)) -> dict[str, torch.Tensor]:
+    """Per-shard sums of the reverse KL estimate log π_old − log π_teacher over the loss tokens, in
+    total and by the token's position in its completion (buckets' lower edges), for the
+    `distill/rkl*` metrics (sum and token count per bucket)."""
+    with torch.no_grad():
+        m = mask.double()
+        x = torch.where(m > 0, old.double() - teacher.double(), torch.zeros_like(m))
+        pos = (m.cumsum(dim=1) - 1) * m  # 0 at each completion's first loss token
+        out = {"rkl_sum": x.sum(), "rkl_tokens": m.sum()}
+        for k, lo in enumerate(buckets):
+            hi = buckets[k + 1] if k + 1 < len(buckets) else None
+            sel = m * (pos >= lo) * (pos < hi if hi is not None else 1)
+            out[f"rkl_b{k}_sum"], out[f"rkl_b{k}_tokens"] = (x * sel).sum(), sel.sum()
+        return out
+
+
 def local_denominators(mask: torch.Tensor) -> tuple[float, float]:
     """(token count, count of sequences with ≥ 1 loss token) of this shard; all-reduce for DP."""
     return float(mask.sum().item()), float((mask.sum(dim=1) > 0).sum().item())
@@ -173,7 +202,8 @@ def policy_loss(
     mask = mask.to(logp.dtype)
     old, mu = old.detach(), mu.detach()
     n_tok, n_seq = denominators if denominators is not None else local_denominators(mask)
-    adv = advantages.to(logp.dtype)[:, None]
+    adv = advantages.to(logp.dtype)
+    adv = adv[:, None] if adv.dim() == 1 else adv  # [N] per sequence, or [N, T-1] per token (distillation)
     on = mask > 0
     lo, hi = 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high
     base = mu if cfg.correction == "ppo_is" else old

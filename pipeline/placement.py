@@ -43,7 +43,8 @@ def check_host(cfg: Config) -> None:
     a proc's placement. Core sets are the same on every host, so this host speaks for all."""
     allowed = os.sched_getaffinity(0)
     for key, spec in (("trainer.cpus", cfg.trainer.cpus), ("generator.cpus", cfg.generator.cpus),
-                      ("buffer.cpus", cfg.buffer.cpus), ("reward_model.cpus", cfg.reward_model.cpus)):
+                      ("buffer.cpus", cfg.buffer.cpus), ("reward_model.cpus", cfg.reward_model.cpus),
+                      ("teacher.cpus", cfg.teacher.cpus)):
         cores = set(parse_ids(spec))
         check(cores <= allowed, key, spec, f"cores of this host ({format_ids(allowed)}); "
               f"{format_ids(cores - allowed)} is not one")
@@ -139,6 +140,13 @@ def buffer_placement(cfg: Config) -> Placement:
 def reward_model_placement(cfg: Config) -> Placement:
     cpus = tuple(sorted(parse_ids(cfg.reward_model.cpus)))
     return Placement("reward_model", cpus, "reward_model.cpus", len(cpus))
+
+
+def teacher_placement(cfg: Config) -> Placement:
+    cpus = tuple(sorted(parse_ids(cfg.teacher.cpus)))
+    gpus = tuple(parse_ids(cfg.teacher.devices)) if cfg.teacher.device == "cuda" else ()
+    return Placement("teacher", cpus, "teacher.cpus", len(cpus), gpus=gpus,
+                     gpus_key="teacher.devices" if gpus else "")
 
 
 def resolve_gpus(p: Placement, visible: int) -> tuple[int, ...]:

@@ -55,6 +55,7 @@ class _Stream:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, kv_heads, length, head_dim]
     length: int
     last: torch.Tensor  # final hidden state of the last token so far
+    extra: Any = None  # what a subclass accumulates per stream (the teacher: log-probs so far)
 
 
 class StreamingScorer:
@@ -170,7 +171,7 @@ class StreamingScorer:
                 for i in joined:
                     results[i] = True
                 if fin:
-                    results[joined[-1]] = float(self.head(st.last).float().item())
+                    results[joined[-1]] = self._final(st)
                 else:
                     self._keep(seq, st)
                 continue
@@ -185,21 +186,31 @@ class StreamingScorer:
                     for i in joined:
                         results[i] = err if ops[i][0] == "finish" else False
                 continue
-            for (seq, joined, st, tokens, fin), (new, last) in zip(part, lasts):
+            for (seq, joined, st, tokens, fin), (new, hid) in zip(part, lasts):
                 for i in joined[:-1]:
                     results[i] = True
                 key = "whole_tokens" if st is None and fin else "finish_tokens" if fin else "prefill_tokens"
                 self.counts[key] += len(tokens)
+                new = self._grown(st, tokens, new, hid)
                 if fin:
-                    results[joined[-1]] = float(self.head(last).float().item())
+                    results[joined[-1]] = self._final(new)
                 else:
                     results[joined[-1]] = True
                     self._keep(seq, new)
 
+    def _grown(self, st: _Stream | None, tokens: list[int], new: _Stream, hidden: torch.Tensor) -> _Stream:
+        """The state after `tokens` were added to `st` (None: a new stream), given their final hidden
+        states `hidden` [len(tokens), H]; a subclass adds what it accumulates (the teacher's log-probs)."""
+        return new
+
+    def _final(self, st: _Stream) -> Any:
+        """A finished stream's result: the scalar head on its last token's final hidden state."""
+        return float(self.head(st.last).float().item())
+
     def _extend(self, items: list[tuple[_Stream | None, list[int]]]) -> list[tuple[_Stream, torch.Tensor]]:
         """One forward of every item's new tokens on top of its cache: caches left-padded to the
         longest, chunks right-padded; positions continue each stream. Returns each item's extended
-        state and the final hidden state of its last new token."""
+        state and the final hidden states of its new tokens [len(tokens), H]."""
         from transformers import DynamicCache
 
         n = len(items)
@@ -235,8 +246,8 @@ class StreamingScorer:
                 if st:
                     nk, nv = torch.cat([st.kv[layer][0], nk], 2), torch.cat([st.kv[layer][1], nv], 2)
                 kv.append((nk.clone(), nv.clone()))
-            last = out.last_hidden_state[b, len(t) - 1].clone()
-            res.append((_Stream(kv, lens[b] + len(t), last), last))
+            hid = out.last_hidden_state[b, :len(t)].clone()
+            res.append((_Stream(kv, lens[b] + len(t), hid[-1]), hid))
         return res
 
     # ---------------------------------------------------------------- internals

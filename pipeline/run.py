@@ -78,6 +78,9 @@ def print_summary(cfg: Config, summary: dict) -> None:
               + " (the held-out rewards below are measured after it)")
     if summary.get("preflight"):
         print(f"   {summary['preflight']}")
+    zs = summary.get("zero_signal")
+    if zs and (zs["setting"] == "auto" or zs["dynamic_sampling"]):
+        print(f"   dynamic sampling {'on' if zs['dynamic_sampling'] else 'off'}: {zs['why']}")
     if curve:
         print(f"   held-out reward (sampled): {curve[0][1]:.3f} (step {curve[0][0]}) -> {curve[-1][1]:.3f} "
               f"(step {curve[-1][0]}); greedy: {curve[0][2]:.3f} -> {curve[-1][2]:.3f}")

@@ -43,6 +43,14 @@ class PromptItem:
     prompt: Prompt
     answer: str = ""
     max_new_tokens: int = 0  # per-prompt generation budget; 0 = generator.max_new_tokens (which also caps it)
+    columns: tuple[tuple[str, str], ...] = ()  # a dataset row's other columns (teacher.context reads them)
+
+    def fields(self) -> dict[str, str]:
+        """What a teacher.context template may name: the row's columns, `answer`, and `prompt` (the
+        prompt's text: a str prompt itself, a chat prompt's last user turn)."""
+        p = self.prompt if isinstance(self.prompt, str) else next(
+            (m.get("content", "") for m in reversed(self.prompt) if m.get("role") == "user"), "")
+        return {**dict(self.columns), "answer": self.answer, "prompt": p}
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,9 @@ class Rollout:
     reprefill_tokens: int = 0
     started_at: float = field(default_factory=time.monotonic)
     finished_at: float = field(default_factory=time.monotonic)
+    teacher_logprobs: tuple[float, ...] | None = None
+    """With a teacher (on-policy distillation): its log-prob of each completion token, 0 on
+    environment tokens; None without one."""
 
     def validate(self) -> None:
         """Raise ValueError naming what is wrong; used by every receiver before it stores."""
@@ -96,6 +107,13 @@ class Rollout:
             raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: non-finite behaviour logprob")
         if any(v < ENV_VERSION for v in self.versions):
             raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: negative policy version")
+        if self.teacher_logprobs is not None:
+            if len(self.teacher_logprobs) != n:
+                raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: {len(self.teacher_logprobs)} "
+                                 f"teacher logprobs for {n} completion tokens")
+            if any(not math.isfinite(x) or x > 0 for x in self.teacher_logprobs):
+                raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: a teacher logprob that "
+                                 "is not finite or is above 0")
         if any(v == ENV_VERSION and lp != 0.0 for v, lp in zip(self.versions, self.logprobs)):
             raise ValueError(f"rollout group={self.group_id} sample={self.sample_idx}: an environment token "
                              "(version -1) with a behaviour logprob")
@@ -133,12 +151,15 @@ class Batch:
     group_ids: tuple[int, ...]
     trainer_version: int  # version the batch was built for (staleness reference)
     truncated: torch.Tensor | None = None  # [N] bool: the sample hit its length budget (finish_reason 'length')
+    teacher_logprobs: torch.Tensor | None = None  # [N, T] float32 like behaviour_logprobs: the teacher's (OPD)
 
     def __post_init__(self) -> None:
         n, t = self.input_ids.shape if self.input_ids.dim() == 2 else (-1, -1)
         if n <= 0:
             raise ValueError(f"Batch: input_ids must be a non-empty [N, T] tensor, got {tuple(self.input_ids.shape)}")
-        for name in ("loss_mask", "behaviour_logprobs", "versions"):
+        for name in ("loss_mask", "behaviour_logprobs", "versions", "teacher_logprobs"):
+            if getattr(self, name) is None:
+                continue
             shape = tuple(getattr(self, name).shape)
             if shape != (n, t):
                 raise ValueError(f"Batch: {name} has shape {shape}, expected {(n, t)} like input_ids")

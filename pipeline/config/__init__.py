@@ -10,7 +10,7 @@ pipeline/checkpoint.py prepare_resume: run.resume resolved and matched).
 
     errors.py   ConfigError and the checks: every message names the dotted key and what is allowed
     ids.py      core and GPU id sets in cpuset syntax ('0,2,4-7')
-    model.py generator.py buffer.py trainer.py weight_sync.py task.py reward_model.py run.py
+    model.py generator.py buffer.py trainer.py weight_sync.py task.py reward_model.py teacher.py run.py
                 one section each: its fields with their docstrings, its own checks
     tree.py     Config, the checks spanning sections
     load.py     load_config (defaults -> YAML -> key=value overrides), REMOVED_KEYS
@@ -24,10 +24,11 @@ from pipeline.config.model import ModelConfig, TinyModelConfig
 from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import LOG_LEVELS, RunConfig
 from pipeline.config.task import TaskConfig
+from pipeline.config.teacher import TeacherConfig
 from pipeline.config.trainer import LORA_TARGETS, LoraConfig, TrainerConfig
 from pipeline.config.tree import Config, sync_mode_config
 from pipeline.config.weight_sync import WeightSyncConfig
 
 __all__ = ["BufferConfig", "Config", "ConfigError", "GeneratorConfig", "LOG_LEVELS", "LORA_TARGETS", "LoraConfig",
-           "ModelConfig", "REMOVED_KEYS", "RewardModelConfig", "RunConfig", "TaskConfig", "TinyModelConfig",
+           "ModelConfig", "REMOVED_KEYS", "RewardModelConfig", "RunConfig", "TaskConfig", "TeacherConfig", "TinyModelConfig",
            "TrainerConfig", "WeightSyncConfig", "flatten", "load_config", "sync_mode_config"]

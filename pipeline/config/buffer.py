@@ -37,10 +37,14 @@ class BufferConfig:
     retry_stale: bool = True
     """A group dropped as stale was never trained on: admit its prompt again (before new prompts), so
     a finite dataset loses no prompt to staleness. Counted in the buffer stats as retried_prompts."""
-    zero_signal: str = "keep"
+    zero_signal: str = "auto"
     """Groups whose rewards are all equal (no learning signal under group-relative advantages):
     keep (trained at zero advantage) | drop (DAPO dynamic sampling: not trained, counted as dropped
-    zero_signal, and admission replaces them so batches fill with groups that carry signal)."""
+    zero_signal, and admission replaces them so batches fill with groups that carry signal) | auto
+    (the default: keep until the pre-flight probe of a fresh run, then drop when fewer than half of
+    the held-out groups have a reward spread, else keep; keep when a teacher's per-token distillation
+    is on (teacher.hf_dir with trainer.distill_coef > 0), when there is no probe (no held-out prompts,
+    group_size 1) and on a resume, which keeps the checkpoint's choice; pipeline/driver/learning_signal.py)."""
     set_aside_samples: int = 16
     """Online difficulty filter (pipeline/difficulty.py): a prompt is set aside once its last groups in a
     row all got one and the same reward (always solved, or never) over at least this many samples, i.e.
@@ -68,7 +72,7 @@ class BufferConfig:
               f"0..delta_max={self.delta_max}")
         check(3 <= self.window <= 1000, "buffer.window", self.window, "3..1000")
         check(self.slope_tstat >= 0, "buffer.slope_tstat", self.slope_tstat, ">= 0")
-        choice("buffer.zero_signal", self.zero_signal, ("keep", "drop"))
+        choice("buffer.zero_signal", self.zero_signal, ("auto", "keep", "drop"))
         check(0 <= self.set_aside_samples <= 100_000, "buffer.set_aside_samples", self.set_aside_samples,
               "0..100000 (0: off)")
         check(1 <= self.retry_after <= 1_000_000, "buffer.retry_after", self.retry_after, "1..1000000")

@@ -12,14 +12,15 @@ LORA_TARGETS = {"wqkv": "attention.qkv_linear.wqkv", "wo": "attention.wo", "w1":
 """trainer.lora.targets names -> the torchtitan module path inside a block (pipeline/lora.py adapts them)."""
 
 RECIPE_PARTS = ("clip_eps", "clip_eps_low", "clip_eps_high", "dual_clip", "ratio_level", "weight_form", "aggregation",
-                "overlong_buffer", "overlong_penalty", "overlong_filter", "mis_low", "mis_high")
+                "overlong_buffer", "overlong_penalty", "overlong_filter", "mis_low", "mis_high", "distill_coef",
+                "reward_coef")
 """The trainer keys a recipe sets (each None until resolved: a key the config names wins over its recipe).
 buffer.normalize_std is a part too (resolved by Config, tree.py), and so is overlong_buffer under dapo
 (a fifth of generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
 
 NO_PRESET = {"clip_eps": 0.2, "dual_clip": 3.0, "ratio_level": "token", "weight_form": "ppo",
              "aggregation": "token_mean", "overlong_buffer": 0, "overlong_penalty": 1.0, "overlong_filter": False,
-             "mis_low": 0.5, "mis_high": 2.0}
+             "mis_low": 0.5, "mis_high": 2.0, "distill_coef": 0.0, "reward_coef": 1.0}
 """recipe=none: each part at its own default (the loss this trainer had before recipes)."""
 
 RECIPES: dict[str, dict] = {
@@ -37,6 +38,13 @@ RECIPES: dict[str, dict] = {
     # CISPO (MiniMax-M1, 2025): clipped, detached IS weight on a REINFORCE term; no lower bound, token mean
     "cispo": {"clip_eps_low": 1.0, "clip_eps_high": 0.28, "weight_form": "cispo", "aggregation": "token_mean",
               "normalize_std": True},
+    # On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): a per-token advantage
+    # -(log pi_student - log pi_teacher) on the sampled token (reverse KL), the task reward off
+    "opd": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "token_mean", "distill_coef": 1.0, "reward_coef": 0.0,
+            "normalize_std": True},
+    # GRPO's loss with the teacher's per-token advantage added to the group advantage
+    "opd+grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "seq_mean", "distill_coef": 1.0, "reward_coef": 1.0,
+                 "normalize_std": True},
 }
 """trainer.recipe -> the parts it sets (docs/training.md "Loss recipes"); a part it leaves out takes NO_PRESET's."""
 
@@ -92,7 +100,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Max global grad norm (> 0)."""
     recipe: str = "none"
-    """Loss recipe preset: none | grpo | dapo | dr_grpo | gspo | cispo (RECIPES; docs/training.md "Loss
+    """Loss recipe preset: none | grpo | dapo | dr_grpo | gspo | cispo | opd | opd+grpo (RECIPES; docs/training.md "Loss
     recipes"). It sets the parts below marked "recipe part"; a part the config names itself wins."""
     clip_eps: float | None = None
     """Recipe part. PPO clip ε (0 < ε < 1), both sides unless clip_eps_low / clip_eps_high say otherwise (0.2)."""
@@ -111,6 +119,13 @@ class TrainerConfig:
     weight_form: str | None = None
     """Recipe part. ppo | cispo (ppo): ppo is min(r·A, clip(r)·A); cispo is sg(clip(r, 1 − ε_low, 1 + ε_high))·A·log π_θ
     (MiniMax-M1), so no token's gradient is dropped by the clip."""
+    distill_coef: float | None = None
+    """Recipe part. Weight of the teacher's per-token advantage A_t = −(log π_old(y_t) − log π_teacher(y_t))
+    (the reverse-KL estimator on the sampled token, no discounting), added to every loss token's
+    advantage (>= 0; 0: off; opd, opd+grpo: 1). Needs teacher.hf_dir."""
+    reward_coef: float | None = None
+    """Recipe part. Weight of the task's group advantage in every token's advantage (>= 0; 1; opd: 0,
+    distillation alone). The reward is still computed, logged and evaluated."""
     minibatches: int = 1
     """Optimizer steps per batch per epoch: the batch's rows split into this many minibatches
     (1..1024, at most the batch's sample count buffer.batch_groups * buffer.group_size)."""
@@ -217,6 +232,12 @@ class TrainerConfig:
         check(self.overlong_buffer is None or self.overlong_buffer >= 0, "trainer.overlong_buffer",
               self.overlong_buffer, ">= 0 (0: off)")
         check(self.overlong_penalty > 0, "trainer.overlong_penalty", self.overlong_penalty, "> 0")
+        check(self.distill_coef >= 0 and math.isfinite(self.distill_coef), "trainer.distill_coef", self.distill_coef,
+              ">= 0 (0: no distillation)")
+        check(self.reward_coef >= 0 and math.isfinite(self.reward_coef), "trainer.reward_coef", self.reward_coef,
+              ">= 0")
+        check(self.distill_coef > 0 or self.reward_coef > 0, "trainer.reward_coef", self.reward_coef,
+              "> 0 when trainer.distill_coef is 0 (the loss would have no signal)")
         check(1 <= self.minibatches <= 1024, "trainer.minibatches", self.minibatches, "1..1024")
         check(1 <= self.epochs <= 100, "trainer.epochs", self.epochs, "1..100")
         choice("trainer.correction", self.correction,
@@ -264,7 +285,7 @@ class TrainerConfig:
         icepop = self.correction == "icepop"
         defaults = {**NO_PRESET, "mis_high": 5.0 if icepop else 2.0}
         for key in ("clip_eps", "dual_clip", "ratio_level", "weight_form", "aggregation", "overlong_penalty",
-                    "overlong_filter", "mis_low", "mis_high"):
+                    "overlong_filter", "mis_low", "mis_high", "distill_coef", "reward_coef"):
             if key not in given:
                 setattr(self, key, preset.get(key, defaults[key]))
         if "overlong_buffer" not in given:  # dapo's None: a fifth of generator.max_new_tokens (Config)

@@ -22,6 +22,7 @@ from pipeline.config.model import ModelConfig
 from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import RunConfig
 from pipeline.config.task import TaskConfig
+from pipeline.config.teacher import TeacherConfig
 from pipeline.config.trainer import RECIPES, TrainerConfig
 from pipeline.config.weight_sync import WeightSyncConfig
 
@@ -37,6 +38,7 @@ class Config:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -73,6 +75,12 @@ class Config:
                   "trainer.correction", "mis_balance", "with consistent rollouts only: generator.on_update=drain "
                   f"and generator.carry_over=keep, or run.mode=sync (now on_update={g.on_update!r}, "
                   f"carry_over={g.carry_over!r}: a sample's tokens may come from several versions)")
+        check(self.trainer.distill_coef == 0 or bool(self.teacher.hf_dir), "teacher.hf_dir", self.teacher.hf_dir,
+              f"a teacher checkpoint directory or 'self' with trainer.distill_coef={self.trainer.distill_coef} "
+              f"(trainer.recipe={self.trainer.recipe!r}): distillation needs a teacher")
+        if self.teacher.hf_dir:
+            check(self.teacher.device == "cpu" or self.trainer.device == "cuda", "teacher.device", self.teacher.device,
+                  "'cpu' when trainer.device='cpu'")
         n = self.buffer.batch_groups * self.buffer.group_size
         check(self.trainer.minibatches <= n, "trainer.minibatches", self.trainer.minibatches,
               f"at most the batch's {n} samples (buffer.batch_groups * buffer.group_size); "
@@ -85,7 +93,7 @@ class Config:
         checked at start)."""
         t, g, r = self.trainer, self.generator, self.run
         sets = [("trainer.cpus", t.cpus), ("generator.cpus", g.cpus), ("buffer.cpus", self.buffer.cpus),
-                ("reward_model.cpus", self.reward_model.cpus)]
+                ("reward_model.cpus", self.reward_model.cpus), ("teacher.cpus", self.teacher.cpus)]
         for i, (k1, s1) in enumerate(sets):
             for k2, s2 in sets[i + 1:]:
                 both = set(id_set(k1, s1)) & set(id_set(k2, s2))

@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Callable, Iterator, Sequence
 
 from actors.generator import GeneratorActor
 from actors.reward_model import RewardModelActor
+from actors.teacher import TeacherActor
 from pipeline import cleanup
 from pipeline.config import Config
 from pipeline.driver.calls import call_within
@@ -186,6 +187,7 @@ class Fleet:
         n = cfg.generator.num_generators
         self.generators = [MeshSlot(f"generator{i}", f"generator{i}", 0, True) for i in range(n)]
         self.reward_model = MeshSlot("reward_model", "reward model", 0, True) if cfg.reward_model.path else None
+        self.teacher = MeshSlot("teacher", "teacher", 0, True) if cfg.teacher.hf_dir else None
         self.handles = LiveHandles(self.generators)
         self.placement: dict = placement if placement is not None else {}
         self.host_mesh: Any = None
@@ -193,8 +195,30 @@ class Fleet:
 
     def slots(self) -> Iterator[MeshSlot]:
         yield from self.generators
-        if self.reward_model is not None:
-            yield self.reward_model
+        yield from self.sides()
+
+    def sides(self) -> list[MeshSlot]:
+        """The scoring meshes beside the generators: the reward model and the teacher (those configured)."""
+        return [s for s in (self.reward_model, self.teacher) if s is not None]
+
+    def is_side(self, slot: MeshSlot) -> bool:
+        return slot is not None and (slot is self.reward_model or slot is self.teacher)
+
+    @staticmethod
+    def attach_call(slot: MeshSlot) -> str:
+        """The generator endpoint that hands it this side mesh's handle."""
+        return "attach_teacher" if slot.name == "teacher" else "attach_reward_model"
+
+    def side_handle(self, slot: MeshSlot | None) -> Any:
+        return slot.handle if slot is not None and slot.live else None
+
+    async def attach_sides(self, i: int, gen: Any) -> None:
+        """Hand generator i every live side mesh (while one is restarted, its restart attaches it)."""
+        for side in self.sides():
+            h = self.side_handle(side)
+            if h is not None:
+                name = self.attach_call(side)
+                await call_within(f"generator{i}.{name}", getattr(gen, name).call_one(h), 60)
 
     def live_generators(self) -> list[tuple[int, MeshSlot]]:
         return [(i, s) for i, s in enumerate(self.generators) if s.live]
@@ -222,8 +246,8 @@ class Fleet:
             slot.local = num_hosts == 1
         for slot, h in zip(self.generators, hosts):
             slot.host = h
-        if self.reward_model is not None:
-            await self.spawn_reward_model()
+        for side in self.sides():
+            await self.spawn_side(side)
         await asyncio.gather(*[self.spawn_generator(i, hf_dir, 0) for i in range(len(self.generators))])
         for s in self.generators:
             s.live = True
@@ -240,21 +264,25 @@ class Fleet:
         slot.version = version
         self._placed(slot, info["placement"])
         log.info("placement: generator%d (pid %d): %s", i, info["placement"]["pid"], describe(info["placement"]))
-        rm = self.reward_model_handle()
-        if rm is not None:  # while it is restarted, its restart attaches it
-            await call_within(f"generator{i}.attach_reward_model", slot.handle.attach_reward_model.call_one(rm), 60)
+        await self.attach_sides(i, slot.handle)
+        return slot.handle
+
+    async def spawn_side(self, slot: MeshSlot) -> Any:
+        """A side mesh's current incarnation (the reward model, pipeline/reward_model.py, or the teacher,
+        pipeline/teacher.py) on its own proc on host 0; live."""
+        teacher = slot is self.teacher
+        sc = self.cfg.teacher if teacher else self.cfg.reward_model
+        info = await slot.spawn(self.host_mesh, TeacherActor if teacher else RewardModelActor,
+                                (self.cfg, slot.incarnation), lambda a: a.setup.call_one(), sc.start_timeout_s)
+        self._placed(slot, info["placement"])
+        log.info("%s %s loaded in %.1fs (pid %d): %s; streaming chunks of %d tokens", slot.label,
+                 sc.hf_dir if teacher else sc.path, info["load_s"], info["pid"], describe(info["placement"]),
+                 sc.chunk_tokens)
+        slot.live = True
         return slot.handle
 
     async def spawn_reward_model(self) -> Any:
-        """The reward model's current incarnation on its own proc on host 0 (pipeline/reward_model.py); live."""
-        rc, slot = self.cfg.reward_model, self.reward_model
-        info = await slot.spawn(self.host_mesh, RewardModelActor, (self.cfg, slot.incarnation),
-                                lambda a: a.setup.call_one(), rc.start_timeout_s)
-        self._placed(slot, info["placement"])
-        log.info("reward model %s loaded in %.1fs (pid %d): %s; streaming chunks of %d tokens", rc.path,
-                 info["load_s"], info["pid"], describe(info["placement"]), rc.chunk_tokens)
-        slot.live = True
-        return slot.handle
+        return await self.spawn_side(self.reward_model)
 
     def _placed(self, slot: MeshSlot, placement: dict) -> None:
         self.placement[slot.name] = placement

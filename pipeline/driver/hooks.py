@@ -16,8 +16,9 @@ import time
 from collections import Counter
 from typing import Any
 
+from pipeline.driver.calls import call_within
 from pipeline.driver.health import CollapseWatch
-from pipeline.driver.learning_signal import Probe, SignalWatch, StepSignal, preflight
+from pipeline.driver.learning_signal import Probe, RunFacts, SignalWatch, StepSignal, dynamic_sampling, preflight
 from pipeline.driver.metrics import trained_samples
 from pipeline.types import Batch
 
@@ -146,10 +147,17 @@ class SignalAlarm(Hook):
 
     start (a fresh run with held-out prompts, after the step-0 eval): the held-out probe of groups of
     buffer.group_size (the auto warm start's last one, else one now on run.preflight_prompts prompts),
-    its line logged (a warning when most groups would carry no signal) and its figures written as step
-    0's `preflight/*` (with the warm start's `warm_start/*`). after_step: the step's share of groups without a reward spread
-    (`signal/flat_share`) feeds SignalWatch, which warns once after run.no_signal_patience steps
-    in a row and sets `stop` ('no_signal') after run.stop_without_signal."""
+    its line logged (a warning when fewer than half of the groups would carry a signal) and its figures
+    written as step 0's `preflight/*` (with the warm start's `warm_start/*`). It also settles
+    buffer.zero_signal=auto (learning_signal.dynamic_sampling): with dynamic sampling chosen the buffer
+    drops groups without a spread from then on (set_zero_signal; groups that finished during the
+    step-0 eval and probe were kept). The choice is step 0's `preflight/dynamic_sampling`
+    (with a probe) and the summary's `zero_signal`; without a probe auto stays keep, said at info
+    level; a resumed run keeps its checkpoint's mode.
+
+    after_step: the step's share of groups without a reward spread (`signal/flat_share`) feeds
+    SignalWatch, which warns once after run.no_signal_patience steps in a row and sets `stop`
+    ('no_signal') after run.stop_without_signal."""
 
     def __init__(self, job: Any, sink: Any):
         run = job.cfg.run
@@ -158,12 +166,27 @@ class SignalAlarm(Hook):
         self.dropped: float | None = None  # the buffer's zero-signal drops at the previous step
         self.preflight: str | None = None
         self.stopped: str | None = None
+        on, why = dynamic_sampling(None, RunFacts.of(job.cfg, 0))
+        self.choice = {"setting": job.cfg.buffer.zero_signal, "dynamic_sampling": on, "why": why}
 
     async def start(self, first_step: int, row0: dict) -> None:
-        job, g = self.job, self.job.cfg.buffer.group_size
-        if first_step != 1 or g < 2 or not (job.cfg.run.eval_every and job.cfg.task.eval_prompts):
+        job, cfg = self.job, self.job.cfg
+        g, warm, auto = cfg.buffer.group_size, job.warm, cfg.buffer.zero_signal == "auto"
+        facts = RunFacts.of(cfg, warm.steps if warm is not None else 0)
+        if first_step != 1:
+            if auto:  # the buffer's checkpoint holds the mode the fresh run chose
+                mode = (await call_within("buffer.stats", job.buffer.stats.call_one(), 60))["zero_signal_mode"]
+                self.choice = {"setting": "auto", "dynamic_sampling": mode == "drop",
+                               "why": "buffer.zero_signal=auto on a resume: the checkpoint's choice"}
+                log.info("buffer.zero_signal=auto: a resumed run keeps its checkpoint's choice, dynamic sampling %s",
+                         "on" if mode == "drop" else "off")
             return
-        warm = job.warm
+        if g < 2 or not (cfg.run.eval_every and cfg.task.eval_prompts):
+            if auto:
+                log.info("pre-flight: no held-out probe (%s): buffer.zero_signal=auto keeps groups without a reward "
+                         "spread (dynamic sampling off)", "buffer.group_size=1" if g < 2 else
+                         f"run.eval_every={cfg.run.eval_every}, task.eval_prompts={cfg.task.eval_prompts}")
+            return
         if warm is not None and warm.after is not None:
             probe, timed = warm.after, {}
         else:
@@ -172,9 +195,14 @@ class SignalAlarm(Hook):
             t0 = time.monotonic()
             probe = Probe.of(await job.evaluation.probe(g, True, job.cfg.run.preflight_prompts), g)
             timed = {"preflight/time_s": time.monotonic() - t0}
-        self.preflight, bad = preflight(probe)
+        self.preflight, bad = preflight(probe, facts)
         (log.warning if bad else log.info)(self.preflight)
-        row0.update(probe.metrics("preflight") | timed | (warm.metrics() if warm is not None else {}))
+        on, why = dynamic_sampling(probe, facts)
+        if on and auto:
+            await call_within("buffer.set_zero_signal", job.buffer.set_zero_signal.call_one("drop"), 60)
+        self.choice = {"setting": cfg.buffer.zero_signal, "dynamic_sampling": on, "why": why}
+        row0.update(probe.metrics("preflight") | timed | {"preflight/dynamic_sampling": float(on)}
+                    | (warm.metrics() if warm is not None else {}))
 
     async def after_step(self, step: int, metrics: dict, batch: Batch) -> None:
         groups: dict[int, list[float]] = {}
@@ -195,6 +223,7 @@ class SignalAlarm(Hook):
     async def finish(self, last: int, ended: str) -> dict:
         warm = self.job.warm
         return {"preflight": self.preflight, "no_signal": self.stopped, "signal_watch": self.watch.summary(),
+                "zero_signal": self.choice,
                 "warm_start": warm.summary() if warm is not None else None}
 
 
@@ -363,6 +392,25 @@ def reward_metrics(gens: list[dict], job: Any) -> dict[str, float]:
                     "reward_model/held_streams": float(rs.get("held", 0)),
                     "reward_model/busy_frac": float(rs.get("busy_frac", 0.0)),
                     "reward_model/ops_per_forward": float(rs.get("ops_per_forward", 0.0))})
+    t = job.fleet.teacher
+    if t is not None:
+        ts = [g["teacher"] for g in gens if g.get("teacher")]
+        st = t.stats or {}
+        tok = sum(x["tokens"] for x in ts)
+        scored = sum(x["scored"] for x in ts)
+        streamed = float(st.get("prefill_tokens", 0))
+        total = streamed + float(st.get("finish_tokens", 0)) + float(st.get("whole_tokens", 0))
+        busy = float(st.get("busy_s", 0.0))
+        out.update({"teacher/restarts": float(t.incarnation),
+                    # the share of sampled tokens that are the teacher's most likely token
+                    "teacher/top1_agreement": sum(x["top1"] for x in ts) / tok if tok else float("nan"),
+                    # seconds from EOS to the teacher's log-probs, mean over the rollouts so far
+                    "teacher/wait_after_eos_s": sum(x["wait_s"] for x in ts) / scored if scored else float("nan"),
+                    # the share of the teacher's scored tokens that it took while the rollout was generated
+                    "teacher/overlap_frac": streamed / total if total else float("nan"),
+                    "teacher/busy_s": busy,
+                    "teacher/resent_whole": float(sum(x["resent_whole"] for x in ts)),
+                    "teacher/held_streams": float(st.get("held", 0))})
     return out
 
 
@@ -378,5 +426,6 @@ def buffer_metrics(buf: dict) -> dict[str, float]:
             "buffer/wasted_tokens": float(buf["wasted_tokens"]), "buffer/held_samples": float(buf["held_samples"]),
             "buffer/zero_signal_groups": float(buf["zero_signal_groups"]),
             "buffer/zero_signal_dropped": float(buf["dropped_groups"].get("zero_signal", 0)),
+            "buffer/dynamic_sampling": float(buf["zero_signal_mode"] == "drop"),
             "data/epoch": float(buf["data_epoch"]),
             **{f"buffer/{k}": float("nan") if buf[k] is None else float(buf[k]) for k in DIFFICULTY_METRICS}}

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from monarch.actor import this_host
@@ -87,6 +88,7 @@ class Job:
             why = check_tokenizer(model_dir(cfg.model), cfg.reward_model.path)
             if why is not None:
                 raise ConfigError(f"config: reward_model.path={cfg.reward_model.path!r} cannot be used: {why}")
+        check_teacher(cfg, self.task)
         self.placement: dict = {}  # every proc's, by role (placement.json)
         self.fleet = Fleet(self.cfg, self.placement)
         self.supervisor = Supervisor(self.cfg, self.fleet, RestartWiring(self))
@@ -218,7 +220,33 @@ class Job:
         out = {"buffer": await call_within("buffer.stats", self.buffer.stats.call_one(), 60)}
         for i, s in self.fleet.live_generators():
             out[f"generator{i}"] = await call_within(f"generator{i}.stats", s.handle.stats.call_one(), 60)
-        rm = self.fleet.reward_model_handle()
-        if rm is not None:
-            out["reward_model"] = await call_within("reward_model.stats", rm.stats.call_one(), 60)
+        for side in self.fleet.sides():
+            h = self.fleet.side_handle(side)
+            if h is not None:
+                out[side.name] = await call_within(f"{side.name}.stats", h.stats.call_one(), 60)
         return out
+
+
+def check_teacher(cfg: Config, task: Any) -> None:
+    """ConfigError, before any mesh starts, for a teacher that cannot read the student's token ids
+    (one line naming both directories and the first difference) or a teacher.context that names a
+    column the task's first train prompt does not have."""
+    from pipeline.config.teacher import SELF
+    from pipeline.tasks import take
+    from pipeline.teacher import check_tokenizers
+
+    tc = cfg.teacher
+    if not tc.hf_dir:
+        return
+    if tc.hf_dir != SELF:
+        why = check_tokenizers(model_dir(cfg.model), tc.hf_dir)
+        if why is not None:
+            raise ConfigError(f"config: teacher.hf_dir={tc.hf_dir!r} cannot teach model.hf_dir="
+                              f"{str(Path(model_dir(cfg.model)).resolve())!r}: {why}")
+    if tc.context:
+        item = take(task, cfg.task.seed, "train", 1)[0]
+        try:
+            tc.context.format(**item.fields())
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"config: teacher.context={tc.context!r} cannot be filled from the task's prompts: "
+                              f"{type(e).__name__}: {e} (they have: {', '.join(sorted(item.fields()))})") from None

@@ -4,7 +4,9 @@ gradient. Pure rules on reward lists and metric rows (no actors), read by the wa
 (pipeline/driver/warm_start.py), the pre-flight line and the zero-signal alarm (pipeline/driver/hooks.py).
 
     p = Probe.of(per_prompt_rewards, group_size=8)    # held-out: pass@8, mean reward, share with a spread
-    preflight(p)                                      # "pre-flight: held-out pass@8 = 0.03, ...: most groups ..."
+    facts = RunFacts.of(cfg, warm_steps=0)            # buffer.zero_signal, a teacher, run.steps, ...
+    on, why = dynamic_sampling(p, facts)              # buffer.zero_signal=auto: drop flat groups?
+    preflight(p, facts)                               # "pre-flight: held-out pass@8 = 0.03, ...: most groups ..."
     rule = WarmStartRule.of(cfg.run)
     why = rule.decide(steps=20, probe=p, losses=[1.9, 1.2])   # a reason to stop, or None: go on
     watch = SignalWatch(share=0.9, patience=20, stop_after=100)
@@ -27,6 +29,20 @@ ALL_SOLVED_KNOBS = ("harder prompts (the difficulty filter, buffer.set_aside_sam
                     "are dropped and replaced); a shorter warm start if the demonstrations taught the answers")
 COLLAPSE_KNOBS = ("trainer.entropy_target (adaptive entropy bonus), trainer.kl_coef up, trainer.lr down, "
                   "a higher generator.temperature")
+SIGNAL_SHARE = 0.5
+"""Below this share of held-out groups with a reward spread the pre-flight line warns and
+buffer.zero_signal=auto turns dynamic sampling on (down to DROP_FLOOR)."""
+DROP_FLOOR = 0.1
+"""buffer.zero_signal=auto keeps below this share: dynamic sampling would drop nearly every group, a
+batch of B groups with a spread would take more than 10·B sampled, and at 0 none would ever fill
+(the run would end on buffer.batch_timeout_s, not on the zero-signal alarm that names the cause)."""
+SHORT_RUN = 20
+"""A run of fewer steps (or of fewer than run.no_signal_patience) may end before the zero-signal alarm fires."""
+TEACHER_LEVER = "a teacher (trainer.recipe=opd or opd+grpo with teacher.hf_dir=<dir>)"
+SELF_DISTILL_LEVER = ("self-distillation with the dataset's answer column (one of those recipes with "
+                      "teacher.hf_dir=self teacher.context='The correct final answer is {answer}.')")
+WARM_START_LEVER = ("a warm start (run.warm_start_steps=auto, up to run.warm_start_max_steps; needs "
+                    "task.solution_column or a task with demonstration())")
 
 
 def spread_chance(rewards: list[float], g: int) -> float:
@@ -77,21 +93,90 @@ class Probe:
                 f"{self.spread:.2f} of groups of {self.k} have a reward spread")
 
 
-def preflight(p: Probe) -> tuple[str, bool]:
+@dataclass(frozen=True)
+class RunFacts:
+    """What the pre-flight line and buffer.zero_signal=auto read besides the probe: the setting,
+    whether a teacher scores every token (teacher.hf_dir set and trainer.distill_coef > 0), the
+    warm-start steps taken before RL, run.steps and run.no_signal_patience (0: not known)."""
+
+    zero_signal: str = "keep"
+    teacher: bool = False
+    warm_steps: int = 0
+    steps: int = 0
+    patience: int = 0
+
+    @classmethod
+    def of(cls, cfg: Any, warm_steps: int) -> "RunFacts":
+        # teacher.* and trainer.distill_coef with defaults: a Config from before the teacher has neither
+        hf_dir = getattr(getattr(cfg, "teacher", None), "hf_dir", "")
+        coef = getattr(cfg.trainer, "distill_coef", 0.0) or 0.0
+        return cls(cfg.buffer.zero_signal, bool(hf_dir) and coef > 0, warm_steps, cfg.run.steps,
+                   cfg.run.no_signal_patience)
+
+
+def dynamic_sampling(p: Probe | None, facts: RunFacts) -> tuple[bool, str]:
+    """Whether groups without a reward spread are dropped (DAPO dynamic sampling), and why.
+    buffer.zero_signal=keep|drop decides by itself. auto: off with a teacher (per-token distillation
+    gives every group a signal); off without a probe (`p` None, or no prompt with k samples); on
+    when fewer than SIGNAL_SHARE of the held-out groups have a reward spread, but not fewer than
+    DROP_FLOOR (then nearly every group would be dropped, and batches would starve); else off."""
+    if facts.zero_signal != "auto":
+        return facts.zero_signal == "drop", f"buffer.zero_signal={facts.zero_signal}"
+    if facts.teacher:
+        return False, "buffer.zero_signal=auto with a teacher, whose per-token distillation gives every group a signal"
+    if p is None or not p.prompts:
+        return False, "buffer.zero_signal=auto without a pre-flight probe"
+    share = f"{p.spread:.2f} of held-out groups have a reward spread"
+    if p.spread < DROP_FLOOR:
+        return False, (f"buffer.zero_signal=auto, {share}, under {DROP_FLOOR:g}: dropping the others would "
+                       "starve the batches")
+    if p.spread < SIGNAL_SHARE:
+        return True, f"buffer.zero_signal=auto, {share}, under {SIGNAL_SHARE:g}"
+    return False, f"buffer.zero_signal=auto, {share}, at least {SIGNAL_SHARE:g}"
+
+
+def preflight(p: Probe, facts: RunFacts = RunFacts()) -> tuple[str, bool]:
     """The pre-flight line (after the warm start, before RL) and whether it is a warning: what the
-    held-out probe implies for GRPO, and the knobs when most groups would carry no signal."""
+    held-out probe implies for GRPO and, for buffer.zero_signal=auto, what dynamic_sampling chose.
+    Below SIGNAL_SHARE of groups with a reward spread it is a warning with the numbers (share,
+    mean reward, pass rate), the choice and why, the levers that apply (a teacher, self-distillation,
+    a warm start, the cause's knobs) and, for a short run, that it may end before the zero-signal
+    alarm fires."""
+    on, why = dynamic_sampling(p, facts)
     if not p.prompts:
-        return f"pre-flight: no held-out prompt had {p.k} usable samples; nothing to say about the signal", True
+        tail = f"; dynamic sampling off ({why})" if facts.zero_signal == "auto" else ""
+        return f"pre-flight: no held-out prompt had {p.k} usable samples; nothing to say about the signal{tail}", True
     head = f"pre-flight: {p.text()}: "
-    if p.spread >= 0.5:
-        return head + "most groups carry a learning signal for GRPO", False
-    if p.spread >= 0.1:
-        return head + "GRPO learns from those groups only, the others add no gradient", False
-    if p.mean_reward >= 0.5:
-        return (head + "most groups will have no reward spread (the policy solves nearly every prompt every "
-                f"time), so GRPO gets almost no gradient; try {ALL_SOLVED_KNOBS}"), True
-    return (head + f"most groups will have no reward spread (the policy rarely solves a prompt in {p.k} tries), "
-            f"so GRPO gets almost no gradient; try {NONE_SOLVED_KNOBS}"), True
+    if p.spread >= SIGNAL_SHARE:
+        tail = f" (dynamic sampling {'on' if on else 'off'}: {why})" if facts.zero_signal == "auto" else ""
+        return head + "most groups carry a learning signal for GRPO" + tail, False
+    solved = p.mean_reward >= 0.5
+    cause = ("the policy solves nearly every prompt every time" if solved
+             else f"the policy rarely solves a prompt in {p.k} tries")
+    effect = ("GRPO gets almost no gradient" if p.spread < 0.1
+              else "GRPO learns from those groups only, the others add no gradient")
+    choice = (f"dynamic sampling on ({why}): groups without a spread are dropped and replaced by new prompts"
+              if on else f"dynamic sampling off ({why})")
+    levers = [] if facts.teacher else [TEACHER_LEVER, SELF_DISTILL_LEVER]
+    if facts.zero_signal == "keep" and not facts.teacher:
+        levers.append("dynamic sampling (buffer.zero_signal=auto or drop)")
+    if solved:
+        levers.append("harder prompts (the difficulty filter, buffer.set_aside_samples, sets solved ones aside "
+                      "for a while)" + ("; a shorter warm start if the demonstrations taught the answers"
+                                        if facts.warm_steps else ""))
+    else:
+        levers += [WARM_START_LEVER if not facts.warm_steps else
+                   "a longer warm start (a higher run.warm_start_max_steps, or more steps)",
+                   "a higher generator.temperature, a larger buffer.group_size (more tries per prompt), or easier prompts"]
+    out = (head[:-2] + f", pass rate {p.pass_rate:.3f}: most groups will have no reward spread ({cause}), so "
+           f"{effect}; {choice}; other levers: " + "; ".join(levers))
+    if facts.steps and facts.steps < facts.patience:
+        out += (f". run.steps={facts.steps} is below run.no_signal_patience={facts.patience}: the run ends before "
+                "the zero-signal alarm can fire")
+    elif facts.steps and facts.steps < SHORT_RUN:
+        out += (f". run.steps={facts.steps} is a short run: it may end before the zero-signal alarm "
+                f"(run.no_signal_patience={facts.patience} steps in a row without signal) can fire")
+    return out, True
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ class RestartWiring:
 
     async def take_out(self, slot: MeshSlot) -> dict:
         job = self.job
-        if slot is job.fleet.reward_model:
+        if job.fleet.is_side(slot):
             slot.live = False  # no generator spawned meanwhile is handed it
             return {}
         i = job.fleet.generators.index(slot)
@@ -54,25 +54,27 @@ class RestartWiring:
 
     async def bring_back(self, slot: MeshSlot) -> dict:
         job = self.job
-        if slot is job.fleet.reward_model:
-            rm = await job.fleet.spawn_reward_model()
+        if job.fleet.is_side(slot):
+            h = await job.fleet.spawn_side(slot)
             live = job.fleet.live_generators()
-            res = await asyncio.gather(*[asyncio.wait_for(s.handle.attach_reward_model.call_one(rm), 60)
+            name = job.fleet.attach_call(slot)
+            res = await asyncio.gather(*[asyncio.wait_for(getattr(s.handle, name).call_one(h), 60)
                                          for _, s in live], return_exceptions=True)
             for (i, _), r in zip(live, res):
                 if isinstance(r, BaseException):
-                    job.supervisor.report(i, f"attaching the restarted reward model failed: {r}")
+                    job.supervisor.report(i, f"attaching the restarted {slot.label} failed: {r}")
             return {}
         i = job.fleet.generators.index(slot)
         path = Path(job.cfg.run.out_dir) / "respawn" / slot.name
         version = await job.trainer.export_hf(str(path))
         gen = await job.fleet.spawn_generator(i, str(path), version)
         await job.sync.rejoin(i, gen)
-        rm = job.fleet.reward_model_handle()
-        if rm is not None:  # the predecessor's streams go; this one scores with the current model
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(rm.release_prefix.call_one(stream_prefix(i, slot.incarnation - 1)), 10)
-            await call_within(f"generator{i}.attach_reward_model", gen.attach_reward_model.call_one(rm), 60)
+        for side in job.fleet.sides():  # the predecessor's streams go; this one uses the current side meshes
+            h = job.fleet.side_handle(side)
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(h.release_prefix.call_one(stream_prefix(i, slot.incarnation - 1)), 10)
+        await job.fleet.attach_sides(i, gen)
         await call_within(f"generator{i}.start_generation", gen.start_generation.call_one(job.buffer))
         shutil.rmtree(path, ignore_errors=True)
         return {"version": version}

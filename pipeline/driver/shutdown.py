@@ -66,5 +66,5 @@ async def shut_down(job: Any, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     closed = await settle({i: asyncio.wait_for(s.handle.shutdown.call_one(), GENERATOR_CLOSE_S) for i, s in gens.items()},
                           deadline, "generator{} shutdown")
     await settle({**{f"{s.label} stop": s.stop(closed.get(i, False)) for i, s in enumerate(job.fleet.generators)},
-                  **({"reward model stop": job.fleet.reward_model.stop()} if job.fleet.reward_model else {}),
+                  **{f"{s.label} stop": s.stop() for s in job.fleet.sides()},
                   **{f"proc mesh {k} stop": p.stop() for k, p in enumerate(procs)}}, deadline)

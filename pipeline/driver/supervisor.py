@@ -73,6 +73,8 @@ class Supervisor:
     def budget(self, slot: MeshSlot) -> tuple[int, str]:
         if slot is self.fleet.reward_model:
             return self.cfg.reward_model.max_restarts, "reward_model.max_restarts"
+        if slot is self.fleet.teacher:
+            return self.cfg.teacher.max_restarts, "teacher.max_restarts"
         return self.cfg.generator.max_restarts, "generator.max_restarts"
 
     # ------------------------------------------------------------------ the queue's feeds
@@ -165,7 +167,7 @@ class Supervisor:
             slot.stats = r
             if r.get("error"):
                 failed[slot] = r["error"]
-            elif slot is not self.fleet.reward_model and (
+            elif not self.fleet.is_side(slot) and (
                     why := reject_rate_problem(r, self.cfg.task.max_reject_frac)) is not None:
                 raise RunError(f"{slot.label}: {why}")  # the task's fault: a restart would not help
         return failed
@@ -227,9 +229,9 @@ class Supervisor:
         out = await self.wiring.take_out(slot)
         await slot.stop()
         out |= await self.wiring.bring_back(slot)
-        if slot is not self.fleet.reward_model:
+        if not self.fleet.is_side(slot):
             self.watch(slot)
-        key = {"reward_model": True} if slot is self.fleet.reward_model else {"generator": self.fleet.generators.index(slot)}
+        key = {slot.name: True} if self.fleet.is_side(slot) else {"generator": self.fleet.generators.index(slot)}
         event = {**key, "restart": slot.incarnation, "cause": cause[:500], "detected_at": detected,
                  "recovered_at": time.time(), "recovery_s": time.monotonic() - t0, **out}
         with open(Path(self.cfg.run.out_dir) / "faults.jsonl", "a") as f:

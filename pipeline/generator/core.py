@@ -101,6 +101,15 @@ class GeneratorCore:
         rm.prefix = prefix
         rm.set_handle(handle)
 
+    def attach_teacher(self, handle, prefix: str) -> None:
+        """Take per-token log-probs from the teacher behind `handle` (actors/teacher.py); a later call
+        (its restart) replaces the handle."""
+        t = self.episodes.teacher
+        if t is None:
+            raise RuntimeError(f"generator {self.gid}: attach_teacher without teacher.hf_dir")
+        t.prefix = prefix
+        t.set_handle(handle)
+
     async def start_engine(self, extra_engine_kwargs: dict | None = None, version: int = 0) -> dict:
         """new -> idle: the engine on model_dir(cfg.model), serving those weights as `version`."""
         info = await self.engine.start(extra_engine_kwargs, version)
@@ -223,7 +232,9 @@ class GeneratorCore:
                  in_engine=len(self.engine.requests), pending=c["pending"], carried=c["carried"],
                  admitting=self.scheduler.running, error=str(self.fault.error) if self.fault.tripped else None,
                  **self.engine.liveness(),
-                 reward_model=self.episodes.rm.snapshot() if self.episodes.rm is not None else None)
+                 reward_model=self.episodes.rm.snapshot() if self.episodes.rm is not None else None,
+                 teacher={**self.episodes.teacher.snapshot(), **self.episodes.teacher_counts}
+                 if self.episodes.teacher is not None else None)
         return s
 
     async def watch(self) -> str:

@@ -81,6 +81,10 @@ class Episodes:
         self.eval_env_calls = RewardScorer(self.task, cfg.task.env_timeout_s, 2 * cfg.generator.concurrency)
         rc = cfg.reward_model  # with a reward model: its client, unusable (scores wait) until attached
         self.rm = RewardModelClient(None, rc.chunk_tokens, rc.timeout_s, f"g{generator_id}/") if rc.path else None
+        tc = cfg.teacher  # with a teacher (on-policy distillation): its client, attached like the reward model's
+        self.teacher = RewardModelClient(None, tc.chunk_tokens, tc.timeout_s, f"g{generator_id}/",
+                                         kind="teacher") if tc.hf_dir else None
+        self.teacher_counts = {"tokens": 0, "top1": 0, "wait_s": 0.0, "scored": 0}
         self.sending = 0  # finished trajectories being rewarded / sent to the source
         self._dead: set[int] = set()  # groups given back to the source
         self.seq = itertools.count()  # request ids, unique in this engine
@@ -107,7 +111,27 @@ class Episodes:
     def trajectories(self, group: PromptGroup) -> list[Trajectory]:
         """The group's samples, ready to start; RequestError if its prompt cannot be served."""
         ids = self.prompt_tokens(group.item.prompt)
-        return [Trajectory(group, i, ids) for i in range(group.group_size)]
+        tids = self.teacher_tokens(group.item, ids) if self.teacher is not None else ()
+        return [Trajectory(group, i, ids, teacher_prompt=tids) for i in range(group.group_size)]
+
+    def teacher_tokens(self, item, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The teacher's prompt: the student's, with teacher.context filled in from the item's columns
+        (pipeline/teacher.py teacher_prompt); RequestError if a column is missing or it cannot be encoded."""
+        from pipeline.teacher import teacher_prompt
+
+        template = self.cfg.teacher.context
+        if not template:
+            return ids
+        try:
+            context = template.format(**item.fields())
+        except (KeyError, IndexError, ValueError) as e:
+            raise RequestError("teacher_context", f"teacher.context={template!r} cannot be filled from item "
+                               f"{item.uid} (columns: {', '.join(item.fields())}): {type(e).__name__}: {e}") from e
+        try:
+            return tuple(encode_prompt(self.engine.tok, teacher_prompt(item.prompt, context),
+                                       self.cfg.task.enable_thinking))
+        except Exception as e:
+            raise RequestError("prompt_not_tokenizable", f"the teacher's prompt: {type(e).__name__}: {e}") from e
 
     def dead(self, group_id: int) -> bool:
         return group_id in self._dead
@@ -196,8 +220,10 @@ class Episodes:
         # Python work in this process; an aborted request still returns everything it sampled.
         # With a streaming reward model the tokens arrive as they are sampled (DELTA) and go on to it
         # in chunks (reward_client.py); the version spans still come with the final output.
-        rm = self.rm
-        stream = rm is not None and rm.chunk > 0
+        rm, teacher = self.rm, self.teacher
+        rm_stream = rm is not None and rm.chunk > 0
+        t_stream = teacher is not None and teacher.chunk > 0
+        stream = rm_stream or t_stream
         sp = SamplingParams(max_tokens=max_tokens, temperature=self.g.temperature, logprobs=0,
                             ignore_eos=self.g.ignore_eos, stop_token_ids=self.engine.stop_ids(),
                             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
@@ -207,6 +233,7 @@ class Episodes:
         ids: list[int] = []
         lps: list[float] = []
         context = traj.context()
+        t_context = traj.teacher_context() if t_stream else []
         try:
             async with asyncio.timeout(self.g.request_timeout_s):
                 async for out in self.engine.llm.generate({"prompt_token_ids": context}, sp, request_id=rid,
@@ -216,7 +243,10 @@ class Episodes:
                         c = out.outputs[0]
                         ids += c.token_ids
                         lps += [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
-                        rm.feed(traj.key, context, ids)
+                        if rm_stream:
+                            rm.feed(traj.key, context, ids)
+                        if t_stream:
+                            teacher.feed(traj.key, t_context, ids)
         except TimeoutError:
             raise TimeoutError(f"{traj.key}: request {rid} took over {self.g.request_timeout_s:.0f}s "
                                "(generator.request_timeout_s)") from None
@@ -248,14 +278,22 @@ class Episodes:
             completion = self.transcript(traj)
             eos = time.monotonic()
             try:
-                reward = await self.reward(traj, completion)
+                parts = [self.reward(traj, completion)]
+                if self.teacher is not None:
+                    parts.append(self.teacher_logprobs(traj, eos))
+                res = await asyncio.gather(*parts, return_exceptions=True)
+                for r in res:
+                    if isinstance(r, BaseException):
+                        raise r
+                reward = res[0]
                 self.stats.reward_latency_s.append(time.monotonic() - eos)
             except RewardRejected as e:
                 await self._reject(traj, completion, e, stage)
                 return
             if self.dead(gid):
                 return  # a sibling was rejected while this one was scored
-            rollout = traj.to_rollout(completion, finish, reward, self.gid)
+            rollout = traj.to_rollout(completion, finish, reward, self.gid,
+                                      teacher_logprobs=res[1] if self.teacher is not None else None)
             self.stats.rollouts += 1
             self.stats.turns += traj.turns
             self.stats.accept()
@@ -299,6 +337,26 @@ class Episodes:
                 raise r
         return rc.weight * res[0] + (rc.task_weight * res[1] if rc.task_weight else 0.0)
 
+    async def teacher_logprobs(self, traj: Trajectory, eos: float) -> tuple[float, ...]:
+        """The teacher's log-prob of each completion token (0 on environment tokens), from its stream
+        of teacher prompt + completion. RewardRejected (teacher_*) if it cannot give them."""
+        from pipeline.types import ENV_VERSION
+
+        r = await self.teacher.finish(traj.key, traj.teacher_context())
+        lps, top1 = r["logprobs"], r["top1"]
+        n, skip = len(traj.tokens), len(traj.teacher_prompt) - 1  # lps[i] is token i + 1's
+        if len(lps) != skip + n:
+            raise RewardRejected("teacher_failed", f"the teacher returned {len(lps)} log-probs for a sequence "
+                                 f"of {skip + n + 1} tokens")
+        own = [v != ENV_VERSION for v in traj.versions]
+        out = tuple(lp if m else 0.0 for lp, m in zip(lps[skip:], own))
+        c = self.teacher_counts
+        c["tokens"] += sum(own)
+        c["top1"] += sum(t for t, m in zip(top1[skip:], own) if m)
+        c["wait_s"] += time.monotonic() - eos
+        c["scored"] += 1
+        return out
+
     async def fail_group(self, group_id: int, err: RequestError, where: str, stage: Stage) -> None:
         """Count a bad request and give its group back to the buffer; the engine keeps serving."""
         self.stats.fail(err.reason, f"{where}: {err}")
@@ -326,6 +384,9 @@ class Episodes:
             self.fault.trip(RuntimeError(f"releasing failed group {gid} at the buffer failed: {e}"))
 
     def forget(self, traj: Trajectory) -> None:
-        """Free the reward model's stream of a trajectory that ended here (scored, carried, rejected)."""
+        """Free the reward model's and the teacher's streams of a trajectory that ended here (scored,
+        carried, rejected)."""
         if self.rm is not None:
             self.rm.release(traj.key)
+        if self.teacher is not None:
+            self.teacher.release(traj.key)

@@ -52,8 +52,12 @@ class _Stream:
 
 
 class RewardModelClient:
-    def __init__(self, handle: Any, chunk_tokens: int, timeout_s: float, prefix: str):
+    def __init__(self, handle: Any, chunk_tokens: int, timeout_s: float, prefix: str, kind: str = "reward_model"):
+        """`kind`: reward_model (finish returns the score) | teacher (the stream's per-token log-probs,
+        actors/teacher.py); it names the rejection reasons (teacher_timeout, ...) and the config keys."""
         self.handle, self.chunk, self.timeout_s, self.prefix = handle, chunk_tokens, timeout_s, prefix
+        self.kind, self.result = kind, "teacher" if kind == "teacher" else "score"
+        self.what = "the teacher" if kind == "teacher" else "the reward model"
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._inflight: set[asyncio.Future] = set()
@@ -97,8 +101,9 @@ class RewardModelClient:
         if f.cancelled() or f.exception() is not None:
             st.broken = True  # finish sends the whole sequence
 
-    async def finish(self, key: str, tokens: Sequence[int]) -> float:
-        """The reward model's score of the whole sequence `tokens` (what was streamed plus the rest)."""
+    async def finish(self, key: str, tokens: Sequence[int]) -> Any:
+        """The reward model's score of the whole sequence `tokens` (what was streamed plus the rest);
+        the teacher's {"logprobs", "top1"} of its tokens 1..L-1 (pipeline/teacher.py)."""
         deadline = time.monotonic() + self.timeout_s
         st = self._streams.pop(key, None) or self._new()
         while True:
@@ -113,25 +118,27 @@ class RewardModelClient:
                     raise asyncio.TimeoutError
                 r = await asyncio.wait_for(handle.finish.call_one(st.seq, st.sent, list(tokens[st.sent:])), left)
             except asyncio.TimeoutError:
-                raise RewardRejected("reward_model_timeout", f"no score within {self.timeout_s:.0f}s "
-                                                             "(reward_model.timeout_s)") from None
+                raise RewardRejected(f"{self.kind}_timeout", f"no answer from {self.what} within "
+                                     f"{self.timeout_s:.0f}s ({self.kind}.timeout_s)") from None
             except Exception as e:  # noqa: BLE001 - the actor is gone (or unreachable): retry, on its
                 # successor once the controller attaches one (set_handle), else on the same handle
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RewardRejected("reward_model_unavailable", f"the reward model cannot be reached "
+                    raise RewardRejected(f"{self.kind}_unavailable", f"{self.what} cannot be reached "
                                          f"({type(e).__name__}: {str(e)[:200]}) and none came back within "
-                                         f"{self.timeout_s:.0f}s (reward_model.timeout_s)") from None
+                                         f"{self.timeout_s:.0f}s ({self.kind}.timeout_s)") from None
                 await asyncio.sleep(min(RETRY_S, left))
                 st = self._new()  # the actor may hold nothing of it now: send it whole
                 continue
             if "error" in r:
-                raise RewardRejected("reward_model_failed", r["error"])
+                raise RewardRejected(f"{self.kind}_failed", r["error"])
             if r.get("lost"):  # its state was evicted or a chunk lost: send it whole
                 st.broken = True
                 continue
             self.counts["finish_tokens"] += len(tokens) - st.sent
             self.counts["scored"] += 1
+            if self.result == "teacher":
+                return r["teacher"]  # {"logprobs": [...], "top1": [...]}
             self.scores.append(r["score"])
             return float(r["score"])
 

@@ -111,6 +111,7 @@ class Trajectory:
     turns: int = 0  # model turns finished
     turn_start: int = 0  # index in `tokens` where the current model turn began
     framing: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in `tokens` of chat frames
+    teacher_prompt: tuple[int, ...] = ()  # with a teacher: its prompt (the student's, plus teacher.context)
 
     @property
     def key(self) -> str:
@@ -119,6 +120,10 @@ class Trajectory:
     def context(self) -> list[int]:
         """What the next segment is conditioned on: the prompt and every token generated so far."""
         return list(self.prompt_tokens) + self.tokens
+
+    def teacher_context(self) -> list[int]:
+        """The teacher's stream so far: its prompt and every token generated or observed."""
+        return list(self.teacher_prompt) + self.tokens
 
     def begin_segment(self) -> None:
         """Count a resubmission's re-prefill (the earlier tokens are processed again): a segment that
@@ -162,11 +167,12 @@ class Trajectory:
             at = b
         return keep + self.tokens[at:]
 
-    def to_rollout(self, completion: str, finish_reason: str, reward: float, generator_id: int) -> Rollout:
+    def to_rollout(self, completion: str, finish_reason: str, reward: float, generator_id: int,
+                   teacher_logprobs: tuple[float, ...] | None = None) -> Rollout:
         r = Rollout(group_id=self.group.group_id, sample_idx=self.sample_idx, prompt=self.group.item.prompt,
                     prompt_tokens=self.prompt_tokens, completion=completion, completion_tokens=tuple(self.tokens),
                     logprobs=tuple(self.logprobs), versions=tuple(self.versions), finish_reason=finish_reason,
                     reward=reward, generator_id=generator_id, reprefill_tokens=self.reprefill_tokens,
-                    started_at=self.started_at, finished_at=time.monotonic())
+                    started_at=self.started_at, finished_at=time.monotonic(), teacher_logprobs=teacher_logprobs)
         r.validate()
         return r

@@ -51,7 +51,8 @@ def check_modelled(cfg: Config) -> None:
     checks = [
         ("task.env", getattr(cfg.task, "env", ""), lambda v: not v, "multi-turn environments (tool calls) are not modelled"),
         ("reward_model.path", cfg.reward_model.path, lambda v: not v, "reward-model scoring is not modelled"),
-        ("buffer.zero_signal", cfg.buffer.zero_signal, lambda v: v == "keep",
+        # auto is modelled as keep: its choice needs the held-out probe, which the cost model does not run
+        ("buffer.zero_signal", cfg.buffer.zero_signal, lambda v: v in ("keep", "auto"),
          "'drop' needs each group's reward spread, which the cost model does not have"),
         ("trainer.lora.rank", cfg.trainer.lora.rank, lambda v: v == 0, "LoRA pushes and steps have no cost entries"),
         ("run.epochs", cfg.run.epochs, lambda v: v == 0, "finite datasets (run.epochs > 0) are not modelled"),

@@ -84,6 +84,9 @@ def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0, cha
         raise TaskError(f"{path}: no column {', '.join(missing)}; its columns: {', '.join(ds.column_names)}")
     data = ds.select_columns(list(dict.fromkeys(columns.values()))).to_dict()
     names = list(columns.values())
+    # every other scalar column travels with the item (teacher.context may name it)
+    others = [c for c in ds.column_names if c != names[0]]
+    extra = ds.select_columns(others).to_dict() if others else {}
     prompts, answers = data[names[0]], data[names[1]]
     solutions = data[names[2]] if len(names) > 2 else [None] * len(prompts)
     rows: list[Row] = []
@@ -105,7 +108,9 @@ def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0, cha
                             f"{type(solution).__name__} {solution!r}")
         if chat and isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
-        rows.append((PromptItem(uid=first_uid + i, prompt=prompt, answer=str(answer)), solution, at))
+        cols = tuple((c, str(extra[c][i])) for c in others
+                     if isinstance(extra[c][i], (str, int, float)) and not isinstance(extra[c][i], bool))
+        rows.append((PromptItem(uid=first_uid + i, prompt=prompt, answer=str(answer), columns=cols), solution, at))
     return rows
 
 

@@ -50,6 +50,8 @@ def check_batch(batch: Batch, vocab_size: int) -> None:
     _ids_and_mask(batch.input_ids, batch.loss_mask, vocab_size)
     _finite("behaviour_logprobs", batch.behaviour_logprobs)
     _finite("advantages", batch.advantages)
+    if batch.teacher_logprobs is not None:
+        _finite("teacher_logprobs", batch.teacher_logprobs)
     _finite("rewards", batch.rewards)
     on = batch.loss_mask[:, 1:] > 0
     if bool((batch.behaviour_logprobs[:, 1:][on] > 1e-4).any()):

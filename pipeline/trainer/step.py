@@ -271,7 +271,20 @@ class TrainCore:
                 "is_clip_frac": frac("is_clip_tokens"), "kl_ref": frac("kl_sum"),
                 "entropy": entropy, "entropy_coef": coef,
                 "staleness_mean": float(batch.staleness().float().mean()), **recipe, **mm, **mis, **timing,
-                **{f"grad/{k[5:]}": v for k, v in steps[0].items() if k.startswith("grad_var")}}
+                **{f"grad/{k[5:]}": v for k, v in steps[0].items() if k.startswith("grad_var")},
+                **self._distill_metrics(steps[0])}
+
+    @staticmethod
+    def _distill_metrics(s: dict) -> dict[str, float]:
+        """distill/rkl: the mean reverse KL estimate log π_old − log π_teacher per loss token of the
+        batch's first minibatch, and by completion position (tokens 0-15, 16-63, 64 on)."""
+        if "distill_rkl_tokens" not in s:
+            return {}
+        out = {"distill/rkl": s["distill_rkl_sum"] / max(s["distill_rkl_tokens"], 1.0)}
+        for k, name in enumerate(("0_15", "16_63", "64_")):
+            n = s[f"distill_rkl_b{k}_tokens"]
+            out[f"distill/rkl_pos{name}"] = s[f"distill_rkl_b{k}_sum"] / n if n else float("nan")
+        return out
 
     def _ppo_step(self, batch: Batch, micro: list[tuple[torch.Tensor, float]], den: tuple[float, float],
                   prox: Proximal, first: bool) -> dict[str, float]:
@@ -290,7 +303,17 @@ class TrainCore:
                 prox.record(batch, rows, keep, ids, logp, ent)
             ref = prox.ref[rows] if prox.ref is not None else None
             ent = ent if bonus else None
-            loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, batch.advantages[rows].to(self.device),
+            adv = batch.advantages[rows].to(self.device)
+            if batch.teacher_logprobs is not None and (self.tcfg.distill_coef > 0 or self.tcfg.reward_coef != 1):
+                teacher = batch.teacher_logprobs[rows, 1:].to(self.device).float()
+                adv = losses.token_advantages(adv, prox.logp[rows], teacher, mask, self.tcfg.reward_coef,
+                                              self.tcfg.distill_coef)
+                if first:
+                    for k, v in losses.distill_sums(prox.logp[rows], teacher, mask).items():
+                        sums[f"distill_{k}"] = sums.get(f"distill_{k}", 0) + v.cpu()
+            elif self.tcfg.reward_coef != 1:
+                adv = adv * self.tcfg.reward_coef
+            loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, adv,
                                              self.tcfg, ref=ref, denominators=den, entropy=ent,
                                              entropy_coef=self.entropy_coef,
                                              log_mix=None if prox.log_mix is None else prox.log_mix[rows],
