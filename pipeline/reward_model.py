@@ -141,7 +141,9 @@ class StreamingScorer:
                     first = q.pop(0)
                     kind, _, offset, tokens = ops[first]
                     joined, tokens = [first], list(tokens)
-                    while kind == "prefill" and q and ops[q[0]][2] == offset + len(tokens):
+                    # a shared prefix (a prompt sent alone at offset 0) is looked up on its own
+                    while kind == "prefill" and q and ops[q[0]][2] == offset + len(tokens) and \
+                            not (offset == 0 and self.share_prefixes):
                         kind, _, _, more = ops[q[0]]
                         joined.append(q.pop(0))
                         tokens += more
@@ -167,6 +169,14 @@ class StreamingScorer:
                 for i in joined:
                     results[i] = e if ops[i][0] == "finish" else False
                 continue
+            if st is None and not fin and self.share_prefixes and tuple(tokens) in self._prefixes:
+                # a prompt another stream already prefilled (a group's samples share it): no forward
+                self._prefixes.move_to_end(tuple(tokens))
+                for i in joined:
+                    results[i] = True
+                self._keep(seq, self._copy(self._prefixes[tuple(tokens)]))
+                self.counts["shared_tokens"] = self.counts.get("shared_tokens", 0) + len(tokens)
+                continue
             if not tokens:  # nothing to add (offset > 0, so st holds the stream): score or keep it as it is
                 for i in joined:
                     results[i] = True
@@ -176,6 +186,20 @@ class StreamingScorer:
                     self._keep(seq, st)
                 continue
             ready.append((seq, joined, st, tokens, fin))
+        twins: dict[tuple, list] = {}  # prompts several new streams of this round start with: one forward
+        if self.share_prefixes:
+            first: dict[tuple, int] = {}
+            unique = []
+            for item in ready:
+                seq, joined, st, tokens, fin = item
+                key = tuple(tokens)
+                if st is None and not fin and key in first:
+                    twins.setdefault(key, []).append((seq, joined))
+                    continue
+                if st is None and not fin:
+                    first[key] = len(unique)
+                unique.append(item)
+            ready = unique
         for k in range(0, len(ready), self.max_batch):
             part = ready[k:k + self.max_batch]
             try:
@@ -192,11 +216,40 @@ class StreamingScorer:
                 key = "whole_tokens" if st is None and fin else "finish_tokens" if fin else "prefill_tokens"
                 self.counts[key] += len(tokens)
                 new = self._grown(st, tokens, new, hid)
+                if st is None and not fin and self.share_prefixes:
+                    key = tuple(tokens)
+                    self._prefixes[key] = new
+                    while len(self._prefixes) > self.max_prefixes:
+                        self._prefixes.popitem(last=False)
+                    for tseq, tjoined in twins.pop(key, []):
+                        for i in tjoined:
+                            results[i] = True
+                        self._keep(tseq, self._copy(new))
+                        self.counts["shared_tokens"] = self.counts.get("shared_tokens", 0) + len(tokens)
                 if fin:
                     results[joined[-1]] = self._final(new)
                 else:
                     results[joined[-1]] = True
                     self._keep(seq, new)
+
+    share_prefixes = False
+    """Whether a stream's first op at offset 0 is a prefix other streams may share (the teacher: a
+    prompt, sent alone by its client): its state is kept (LRU, max_prefixes) and a later stream that
+    starts with the same tokens, or a twin in the same round, takes a copy instead of a forward."""
+    max_prefixes = 256
+
+    @property
+    def _prefixes(self) -> OrderedDict:
+        if "_prefix_states" not in self.__dict__:
+            self._prefix_states = OrderedDict()
+        return self._prefix_states
+
+    @staticmethod
+    def _copy(st: _Stream) -> _Stream:
+        """A stream state that shares `st`'s cache tensors (never written in place: `_extend` makes new
+        ones) and copies what it accumulates."""
+        extra = tuple(list(x) for x in st.extra) if isinstance(st.extra, tuple) else st.extra
+        return _Stream(st.kv, st.length, st.last, extra)
 
     def _grown(self, st: _Stream | None, tokens: list[int], new: _Stream, hidden: torch.Tensor) -> _Stream:
         """The state after `tokens` were added to `st` (None: a new stream), given their final hidden

@@ -79,7 +79,8 @@ def print_summary(cfg: Config, summary: dict) -> None:
     if summary.get("preflight"):
         print(f"   {summary['preflight']}")
     zs = summary.get("zero_signal")
-    if zs and (zs["setting"] == "auto" or zs["dynamic_sampling"]):
+    if zs and not summary.get("preflight") and (zs["setting"] == "auto" or zs["dynamic_sampling"]):
+        # (the pre-flight line, when there was one, says it)
         print(f"   dynamic sampling {'on' if zs['dynamic_sampling'] else 'off'}: {zs['why']}")
     if curve:
         print(f"   held-out reward (sampled): {curve[0][1]:.3f} (step {curve[0][0]}) -> {curve[-1][1]:.3f} "

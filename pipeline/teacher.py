@@ -37,7 +37,10 @@ __all__ = ["TeacherScorer", "check_tokenizers", "teacher_prompt"]
 
 
 class TeacherScorer(StreamingScorer):
-    """StreamingScorer whose result is the per-token log-probs of the stream (module docstring)."""
+    """StreamingScorer whose result is the per-token log-probs of the stream (module docstring). A
+    rollout's client sends the teacher's prompt alone first, so a group's samples share one prefill."""
+
+    share_prefixes = True
 
     def __init__(self, hf_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  max_sequences: int = 4096, max_batch: int = 16, temperature: float = 1.0):

@@ -82,6 +82,53 @@ def test_zero_signal_group_is_counted_and_kept_or_dropped():
         ReplayBufferCore(cfg(zero_signal="drop", group_size=1), PAD)
 
 
+def test_auto_keeps_flat_groups_until_switched_to_drop_at_runtime():
+    buf = ReplayBufferCore(cfg(zero_signal="auto"), PAD)
+    assert buf.stats()["zero_signal_mode"] == "keep"
+    g0, g1 = admit(buf, 2)
+    fill(buf, g0, [1.0, 1.0])
+    buf.set_zero_signal("drop")  # the pre-flight probe chose dynamic sampling
+    fill(buf, g1, [0.0, 0.0])
+    assert buf._complete[g0].advantages == [0.0, 0.0]  # finished before the switch: kept, not revisited
+    assert g1 not in buf._complete and buf.dropped_groups == {"zero_signal": 1} and buf.zero_signal_groups == 2
+    assert buf.stats()["zero_signal_mode"] == "drop"
+    buf.check_accounting()
+    buf.set_zero_signal("keep")
+    (g2,) = admit(buf)
+    fill(buf, g2, [1.0, 1.0])
+    assert g2 in buf._complete
+
+
+def test_set_zero_signal_refuses_to_override_an_explicit_setting_or_drop_everything():
+    with pytest.raises(ValueError, match="only 'auto' is switched"):
+        ReplayBufferCore(cfg(zero_signal="keep"), PAD).set_zero_signal("drop")
+    ReplayBufferCore(cfg(zero_signal="drop"), PAD).set_zero_signal("drop")  # what it already is: fine
+    with pytest.raises(ValueError, match="allowed: 'keep', 'drop'"):
+        ReplayBufferCore(cfg(zero_signal="auto"), PAD).set_zero_signal("auto")
+    single = ReplayBufferCore(cfg(zero_signal="auto", group_size=1), PAD)  # auto at G=1 is keep, not an error
+    (g,) = admit(single)
+    fill(single, g, [1.0])
+    assert g in single._complete
+    with pytest.raises(ValueError, match="group_size=1"):
+        single.set_zero_signal("drop")
+
+
+def test_auto_mode_is_kept_across_a_checkpoint_unless_the_config_names_one():
+    buf = ReplayBufferCore(cfg(zero_signal="auto"), PAD)
+    buf.set_zero_signal("drop")
+    state = buf.state_dict()
+    resumed = ReplayBufferCore(cfg(zero_signal="auto"), PAD)
+    resumed.load_state_dict(state)
+    assert resumed.zero_signal_mode == "drop"
+    explicit = ReplayBufferCore(cfg(zero_signal="keep"), PAD)
+    explicit.load_state_dict(state)
+    assert explicit.zero_signal_mode == "keep"
+    old = {k: v for k, v in state.items() if k != "zero_signal_mode"}  # a checkpoint from before auto
+    before = ReplayBufferCore(cfg(zero_signal="auto"), PAD)
+    before.load_state_dict(old)
+    assert before.zero_signal_mode == "keep"
+
+
 def _snapshot(buf: ReplayBufferCore) -> tuple:
     s = buf.stats()
     s.pop("rejected")

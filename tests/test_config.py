@@ -18,6 +18,15 @@ def test_tiny_yaml_is_the_embedded_default_and_loads():
     assert cfg.model.hf_dir == "" and cfg.trainer.device == "cpu" and cfg.generator.engine == "vllm-cpu"
 
 
+def test_zero_signal_defaults_to_auto_and_takes_keep_or_drop():
+    assert load_config(None).buffer.zero_signal == "auto"
+    assert load_config(REPO / "configs" / "smollm2-135m-add.yaml", ["model.hf_dir=/not/built"]).buffer.zero_signal == "auto"
+    for v in ("keep", "drop", "auto"):
+        assert load_config(None, [f"buffer.zero_signal={v}"]).buffer.zero_signal == v
+    with pytest.raises(ConfigError, match=r"buffer\.zero_signal='sometimes' is invalid; allowed: one of 'auto'"):
+        load_config(None, ["buffer.zero_signal=sometimes"])
+
+
 def test_cli_override_wins_over_yaml():
     cfg = load_config(REPO / "configs" / "tiny.yaml", ["buffer.max_staleness=0", "trainer.lr=0.01"])
     assert cfg.buffer.max_staleness == 0 and cfg.trainer.lr == pytest.approx(0.01)
@@ -53,6 +62,7 @@ def test_mis_balance_is_accepted_with_consistent_rollouts():
         ("trainer.grad_variance=true", "trainer.micro_batch_size"),  # whole-batch micro-batches: one chunk
         ("generator.cpu_executor=threads", "generator.cpu_executor"),
         ("run.preflight_prompts=-1", "run.preflight_prompts"),
+        ("buffer.zero_signal=sometimes", "buffer.zero_signal"),
     ],
 )
 def test_bad_config_names_the_key(override, must_name):

@@ -1,5 +1,6 @@
 """The learning-signal rules (pipeline/driver/learning_signal.py): the probe's figures, the auto warm
-start's stopping rule, the zero-signal alarm's windowing, the pre-flight line; and one short CLI
+start's stopping rule, the zero-signal alarm's windowing, the pre-flight line, buffer.zero_signal=auto's
+choice and the SignalAlarm hook that applies it to the buffer; and one short CLI
 run on a task whose reward is constant, which the alarm warns about and run.stop_without_signal ends
 with exit code 3 and its own summary.
 
@@ -8,7 +9,9 @@ with exit code 3 and its own summary.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import subprocess
 import sys
 from math import comb
@@ -17,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.driver.learning_signal import Probe, SignalWatch, StepSignal, WarmStartRule, preflight, spread_chance
+from pipeline.driver.learning_signal import (Probe, RunFacts, SignalWatch, StepSignal, WarmStartRule, dynamic_sampling,
+                                             preflight, spread_chance)
 from pipeline.run import NO_SIGNAL_EXIT
 from pipeline.tasks import reverse
 
@@ -109,6 +113,145 @@ def test_preflight_line_says_what_the_probe_implies_for_grpo():
     assert bad and "solves nearly every prompt" in line and "harder prompts" in line
     line, bad = preflight(Probe.of([[1, 0] * 4] * 10, k=8))
     assert not bad and "carry a learning signal" in line
+
+
+SPREAD_0125 = Probe.of([[1, 0, 0, 0, 0, 0, 0, 0]] + [[0] * 8] * 7, k=8)  # 1 of 8 prompts has a spread
+SPREAD_06 = Probe.of([[1, 0, 0, 0]] * 6 + [[0] * 4] * 4, k=4)  # 6 of 10
+AUTO = RunFacts(zero_signal="auto", steps=100, patience=20)
+
+
+def test_auto_drops_flat_groups_only_when_under_half_of_held_out_groups_have_a_spread():
+    assert SPREAD_0125.spread == pytest.approx(0.125) and SPREAD_06.spread == pytest.approx(0.6)
+    on, why = dynamic_sampling(SPREAD_0125, AUTO)
+    assert on and why == "buffer.zero_signal=auto, 0.12 of held-out groups have a reward spread, under 0.5"
+    assert dynamic_sampling(SPREAD_06, AUTO) == (
+        False, "buffer.zero_signal=auto, 0.60 of held-out groups have a reward spread, at least 0.5")
+    on, why = dynamic_sampling(SPREAD_0125, RunFacts(zero_signal="auto", teacher=True))
+    assert not on and "per-token distillation gives every group a signal" in why
+    on, why = dynamic_sampling(Probe.of([[0.0] * 8] * 8, k=8), AUTO)  # no spread at all: drop would starve
+    assert not on and "starve the batches" in why
+    assert dynamic_sampling(None, AUTO) == (False, "buffer.zero_signal=auto without a pre-flight probe")
+    assert dynamic_sampling(Probe.of([[1.0]], k=8), AUTO)[0] is False  # no prompt with k samples
+    assert dynamic_sampling(SPREAD_06, RunFacts(zero_signal="drop")) == (True, "buffer.zero_signal=drop")
+    assert dynamic_sampling(SPREAD_0125, RunFacts(zero_signal="keep")) == (False, "buffer.zero_signal=keep")
+
+
+def test_run_facts_see_a_teacher_only_when_distillation_is_on():
+    facts = RunFacts.of(load_config(None), warm_steps=3)
+    assert facts == RunFacts(zero_signal="auto", teacher=False, warm_steps=3, steps=20, patience=20)
+    assert RunFacts.of(load_config(None, ["teacher.hf_dir=self", "trainer.recipe=opd"]), 0).teacher
+    assert not RunFacts.of(load_config(None, ["teacher.hf_dir=self"]), 0).teacher  # distill_coef 0: unused
+
+
+def test_preflight_warning_under_half_gives_the_numbers_the_choice_and_the_levers():
+    line, bad = preflight(SPREAD_0125, AUTO)
+    assert bad and line.startswith("pre-flight: held-out pass@8 = 0.12, mean reward 0.016, 0.12 of groups of 8 "
+                                   "have a reward spread, pass rate 0.016: ")
+    assert "rarely solves a prompt in 8 tries" in line
+    assert "dynamic sampling on (buffer.zero_signal=auto, 0.12 of held-out groups have a reward spread, under 0.5)" in line
+    assert "a teacher (trainer.recipe=opd or opd+grpo with teacher.hf_dir=<dir>)" in line
+    assert "teacher.hf_dir=self teacher.context='The correct final answer is {answer}.'" in line
+    assert "run.warm_start_steps=auto" in line and "task.solution_column" in line
+    assert "zero-signal alarm" not in line  # 100 steps: long enough
+    # with a teacher: dynamic sampling stays off, and a teacher is no longer a lever
+    line, bad = preflight(SPREAD_0125, RunFacts(zero_signal="auto", teacher=True, warm_steps=10))
+    assert bad and "dynamic sampling off (buffer.zero_signal=auto with a teacher" in line
+    assert "teacher.hf_dir=<dir>" not in line and "teacher.hf_dir=self" not in line
+    assert "a longer warm start" in line and "task.solution_column" not in line  # a warm start ran
+    # keep set by hand: a warning all the same, with dynamic sampling as a lever
+    line, bad = preflight(SPREAD_0125, RunFacts(zero_signal="keep"))
+    assert bad and "dynamic sampling off (buffer.zero_signal=keep)" in line and "buffer.zero_signal=auto or drop" in line
+    # at least half: the line of before, at info level, with auto's choice
+    line, bad = preflight(SPREAD_06, AUTO)
+    assert not bad and line.endswith("most groups carry a learning signal for GRPO (dynamic sampling off: "
+                                     "buffer.zero_signal=auto, 0.60 of held-out groups have a reward spread, at least 0.5)")
+
+
+def test_preflight_warns_that_a_short_run_may_end_before_the_zero_signal_alarm():
+    line, _ = preflight(SPREAD_0125, RunFacts(zero_signal="auto", steps=10, patience=20))
+    assert line.endswith("run.steps=10 is below run.no_signal_patience=20: the run ends before the zero-signal "
+                         "alarm can fire")
+    line, _ = preflight(SPREAD_0125, RunFacts(zero_signal="auto", steps=15, patience=5))
+    assert "run.steps=15 is a short run: it may end before the zero-signal alarm (run.no_signal_patience=5" in line
+    line, bad = preflight(SPREAD_06, RunFacts(zero_signal="auto", steps=5, patience=20))
+    assert not bad and "zero-signal alarm" not in line  # signal enough: nothing to warn about
+
+
+class _Buffer:
+    """Stands in for the ReplayBufferActor's mesh (its endpoint runs on real Monarch procs in
+    tests/test_replay_buffer_actor.py): `set_zero_signal` and `stats` on a real ReplayBufferCore."""
+
+    def __init__(self, cfg):
+        from pipeline.buffer import ReplayBufferCore
+
+        self.core = ReplayBufferCore(cfg.buffer, 0)
+        core = self.core
+
+        class _Endpoint:
+            def __init__(self, fn):
+                self.fn = fn
+
+            async def call_one(self, *args):
+                return self.fn(*args)
+
+        self.set_zero_signal = _Endpoint(lambda mode: (core.set_zero_signal(mode), core.zero_signal_mode)[1])
+        self.stats = _Endpoint(core.stats)
+
+
+class _Evaluation:
+    """Stands in for the held-out evaluation (which needs a vLLM engine): fixed per-prompt rewards."""
+
+    def __init__(self, per_prompt):
+        self.per_prompt = per_prompt
+
+    async def probe(self, g, reuse, n):
+        return self.per_prompt
+
+
+def _alarm(per_prompt, *overrides):
+    import types
+
+    from pipeline.driver.hooks import SignalAlarm
+
+    cfg = load_config(None, ["task.eval_prompts=8", "run.eval_every=5", *overrides])
+    job = types.SimpleNamespace(cfg=cfg, warm=None, buffer=_Buffer(cfg), evaluation=_Evaluation(per_prompt))
+    return SignalAlarm(job, sink=None), job
+
+
+@pytest.mark.parametrize("per_prompt, k, overrides, on", [
+    ([[1, 0, 0, 0, 0, 0, 0, 0]] + [[0] * 8] * 7, 8, [], True),            # 0.125: dynamic sampling on
+    ([[1, 0, 0, 0]] * 6 + [[0] * 4] * 4, 4, [], False),                    # 0.6: off
+    ([[1, 0, 0, 0, 0, 0, 0, 0]] + [[0] * 8] * 7, 8, ["teacher.hf_dir=self", "trainer.recipe=opd"], False),
+    ([[1, 0, 0, 0, 0, 0, 0, 0]] + [[0] * 8] * 7, 8, ["buffer.zero_signal=keep"], False),
+])
+def test_signal_alarm_start_switches_the_buffer_and_records_the_choice(per_prompt, k, overrides, on, caplog):
+    alarm, job = _alarm(per_prompt, f"buffer.group_size={k}", *overrides)
+    row0: dict = {}
+    with caplog.at_level(logging.INFO, logger="pipeline.driver.hooks"):
+        asyncio.run(alarm.start(1, row0))
+    assert job.buffer.core.zero_signal_mode == ("drop" if on else "keep")
+    assert row0["preflight/dynamic_sampling"] == float(on) and "preflight/spread_share" in row0
+    summary = asyncio.run(alarm.finish(1, "steps"))["zero_signal"]
+    assert summary["dynamic_sampling"] is on and summary["setting"] == job.cfg.buffer.zero_signal
+    (rec,) = [r for r in caplog.records if r.getMessage().startswith("pre-flight:")]
+    assert rec.levelno == (logging.INFO if k == 4 else logging.WARNING)  # a warning under half, whatever chose
+
+
+def test_signal_alarm_without_a_probe_keeps_and_says_so_at_info_level(caplog):
+    alarm, job = _alarm([], "task.eval_prompts=0")
+    row0: dict = {}
+    with caplog.at_level(logging.INFO, logger="pipeline.driver.hooks"):
+        asyncio.run(alarm.start(1, row0))
+    assert row0 == {} and job.buffer.core.zero_signal_mode == "keep"
+    (rec,) = caplog.records
+    assert rec.levelno == logging.INFO and "no held-out probe (run.eval_every=5, task.eval_prompts=0)" in rec.getMessage()
+    assert asyncio.run(alarm.finish(0, "steps"))["zero_signal"] == {
+        "setting": "auto", "dynamic_sampling": False, "why": "buffer.zero_signal=auto without a pre-flight probe"}
+    # a resumed run: no probe; the buffer's checkpoint holds the fresh run's choice
+    alarm, job = _alarm([])
+    job.buffer.core.set_zero_signal("drop")  # as load_state_dict restores it
+    asyncio.run(alarm.start(7, row0))
+    assert row0 == {} and asyncio.run(alarm.finish(7, "steps"))["zero_signal"]["dynamic_sampling"] is True
 
 
 def test_warm_start_keys_are_checked():

@@ -13,7 +13,7 @@ from pipeline.config import load_config, sync_mode_config
 from pipeline.sim import (CostFileError, UnmodelledConfig, costs_from_dict, load_costs, simulate,
                           workload_from_spec)
 from pipeline.sim.generator import SimGenerator, SimSample
-from pipeline.sim.pipeline import sim_config
+from pipeline.sim.pipeline import check_modelled, sim_config
 from pipeline.sim.workload import RewardCurve, WorkloadError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +63,7 @@ def test_cost_file_missing_component_or_key_is_an_error_naming_it(tmp_path):
 def test_unmodelled_config_and_unknown_lengths_are_errors_naming_the_key():
     with pytest.raises(UnmodelledConfig, match="buffer.zero_signal"):
         _run("buffer.zero_signal=drop")
+    check_modelled(_cfg("buffer.zero_signal=auto"))  # the default: modelled as keep
     with pytest.raises(UnmodelledConfig, match="run.epochs"):
         _run("run.epochs=1")
     with pytest.raises(WorkloadError, match="ignore_eos=false"):

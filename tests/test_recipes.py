@@ -1,8 +1,10 @@
-"""The GPU recipes in configs/ (Qwen3-0.6B and 1.7B on GSM8K-style math, one node of 8 GPUs): each loads
-with the CLI's loader and validates, its GPU split holds on a simulated 8-GPU host through the same
-placement functions every proc applies at start, and its keys fit the named model's shape (a
-config.json of that shape from pipeline/models/qwen3_checkpoint.py, the real Qwen3 tokenizer and chat
-template). No GPU and no weights are needed: the shapes are built on torch's meta device."""
+"""The GPU recipes in configs/ (Qwen3-0.6B and 1.7B on GSM8K-style math, and Qwen3-8B distilled into
+Qwen3-0.6B, one node of 8 GPUs): each loads with the CLI's loader and validates, its GPU split holds on a
+simulated 8-GPU host through the same placement functions every proc applies at start, and its keys fit
+the named model's shape (a config.json of that shape from pipeline/models/qwen3_checkpoint.py, the real
+Qwen3 tokenizer and chat template). A recipe with a teacher loads with teacher.hf_dir pointed at a
+temporary directory of the teacher's shape (the config checks that the directory exists). No GPU and no
+weights are needed: the shapes are built on torch's meta device."""
 
 from __future__ import annotations
 
@@ -12,20 +14,27 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from pipeline.config import ConfigError, load_config
 from pipeline.model import read_arch, read_hf_config
 from pipeline.models.decoder import titan_config
-from pipeline.placement import PlacementError, check_host, generator_placements, resolve_gpus, trainer_placement
+from pipeline.placement import (PlacementError, check_host, generator_placements, resolve_gpus, teacher_placement,
+                                trainer_placement)
 from pipeline.models.qwen3_tokenizer import IM_START_ID, IM_END_ID, copy_tokenizer
 from pipeline.models.qwen3_checkpoint import MODELS, qwen3_config
 from pipeline.tasks import open_task, take
+from pipeline.teacher import check_tokenizers
 from pipeline.tokens import SpecialTokens, encode_prompt, load_tokenizer
 
 from .conftest import REPO
 
-RECIPES = {"qwen3-0.6b-gsm8k.yaml": ("Qwen3-0.6B", 596_049_920), "qwen3-1.7b-gsm8k.yaml": ("Qwen3-1.7B", 1_720_574_976)}
+RECIPES = {"qwen3-0.6b-gsm8k.yaml": ("Qwen3-0.6B", 596_049_920), "qwen3-1.7b-gsm8k.yaml": ("Qwen3-1.7B", 1_720_574_976),
+           "qwen3-8b-to-0.6b-opd.yaml": ("Qwen3-0.6B", 596_049_920)}
 """Recipe file -> (the model it is for, its parameter count, tied embeddings counted once)."""
+TEACHERS = {"qwen3-8b-to-0.6b-opd.yaml": ("Qwen3-8B", 8_190_735_360)}
+"""Recipe file -> (its teacher, the teacher's parameter count, its untied LM head counted apart)."""
+GPU_BYTES = 80 * 2**30  # the 80 GB H100 / A100 the OPD recipe's header assumes
 GPUS = 8
 THINK_OFF = [151667, 271, 151668, 271]  # "<think>\n\n</think>\n\n": Qwen3's template with enable_thinking=false
 
@@ -34,6 +43,33 @@ THINK_OFF = [151667, 271, 151668, 271]  # "<think>\n\n</think>\n\n": Qwen3's tem
 def recipe(request, monkeypatch):
     monkeypatch.chdir(REPO)  # task.path is relative to the repository root, where a recipe is run from
     return REPO / "configs" / request.param
+
+
+@pytest.fixture(scope="module")
+def shape_dir(tmp_path_factory):
+    """shape_dir(name): a directory holding what a download of Qwen3 model `name` holds, less the weights
+    (its config.json from MODELS and the Qwen3 tokenizer files), made once per module."""
+    root, made = tmp_path_factory.mktemp("shapes"), {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            hf = root / name
+            hf.mkdir()
+            (hf / "config.json").write_text(json.dumps(qwen3_config(model=name)))
+            copy_tokenizer(hf, REPO / ".cache" / "qwen3")
+            made[name] = hf
+        return made[name]
+    return make
+
+
+@pytest.fixture
+def load(shape_dir):
+    """load_config as the CLI does, with a recipe's teacher.hf_dir pointed at a directory of the teacher's
+    shape: the config checks that teacher.hf_dir exists, and /models/... is not on this machine."""
+    def load_recipe(path: Path, overrides=()):
+        extra = [f"teacher.hf_dir={shape_dir(TEACHERS[path.name][0])}"] if path.name in TEACHERS else []
+        return load_config(path, [*extra, *overrides])
+    return load_recipe
 
 
 def gpus_of(cfg, visible: int) -> tuple[list, list]:
@@ -49,10 +85,11 @@ def gpus_of(cfg, visible: int) -> tuple[list, list]:
 def test_every_recipe_in_configs_is_checked_here():
     cpu = {"tiny.yaml", "smollm2-135m-add.yaml"}  # CPU recipes: tests/test_smollm2_run.py runs the second
     assert {p.name for p in (REPO / "configs").glob("*.yaml")} - cpu == set(RECIPES)
+    assert set(TEACHERS) <= set(RECIPES)
 
 
-def test_a_recipe_loads_validates_and_trains_on_gpus_in_bf16_from_a_dataset(recipe):
-    cfg = load_config(recipe)  # unknown keys, types, ranges and cross-section checks, as the CLI does
+def test_a_recipe_loads_validates_and_trains_on_gpus_in_bf16_from_a_dataset(recipe, load):
+    cfg = load(recipe)  # unknown keys, types, ranges and cross-section checks, as the CLI does
     check_host(cfg)
     t, g = cfg.trainer, cfg.generator
     assert (t.device, t.backend, g.engine, cfg.model.dtype) == ("cuda", "nccl", "vllm", "bfloat16")
@@ -65,15 +102,16 @@ def test_a_recipe_loads_validates_and_trains_on_gpus_in_bf16_from_a_dataset(reci
     assert item.prompt[0]["role"] == "user" and task.reward(item.prompt, f"\\boxed{{{item.answer.split('####')[-1]}}}") == 1.0
     # every key written in the recipe is one the config has: a typo'd key would have failed load_config
     with pytest.raises(ConfigError, match="trainer.learning_rate"):
-        load_config(recipe, ["trainer.learning_rate=1e-6"])
+        load(recipe, ["trainer.learning_rate=1e-6"])
 
 
-def test_a_recipe_splits_the_8_gpus_between_trainer_ranks_and_generators(recipe):
-    cfg = load_config(recipe)
+def test_a_recipe_splits_the_8_gpus_between_trainer_ranks_and_generators(recipe, load):
+    cfg = load(recipe)
     trainer, gens = gpus_of(cfg, GPUS)
     assert all(len(ids) == 1 for ids in trainer)
     assert all(len(ids) == cfg.generator.tensor_parallel_size for ids in gens)
-    used = [i for ids in trainer + gens for i in ids]
+    teacher = [resolve_gpus(teacher_placement(cfg), GPUS)] if cfg.teacher.hf_dir else []  # its proc's start
+    used = [i for ids in trainer + gens + teacher for i in ids]
     assert sorted(used) == list(range(GPUS))  # every GPU used, none shared between meshes
     assert cfg.trainer.num_ranks % cfg.trainer.tensor_parallel == 0
     # a host with fewer GPUs fails the generator's start naming the key, before CUDA starts
@@ -81,7 +119,7 @@ def test_a_recipe_splits_the_8_gpus_between_trainer_ranks_and_generators(recipe)
         gpus_of(cfg, 4)
     # moving the generators onto the trainer's GPUs is refused at load, naming the key
     with pytest.raises(ConfigError, match="generator.devices"):
-        load_config(recipe, [f"generator.devices={cfg.trainer.devices}"])
+        load(recipe, [f"generator.devices={cfg.trainer.devices}"])
 
 
 def test_the_qwen3_1_7b_shape():
@@ -91,12 +129,39 @@ def test_the_qwen3_1_7b_shape():
         "num_hidden_layers": 28, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8,
         "head_dim": 128, "intermediate_size": 6144, "vocab_size": 151_936, "tie_word_embeddings": True}
     assert qwen3_config(layers=2, model="Qwen3-1.7B")["hidden_size"] == 2048
-    with pytest.raises(ValueError, match="Qwen3-0.6B, Qwen3-1.7B"):
-        qwen3_config(model="Qwen3-8B")
+    with pytest.raises(ValueError, match="Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B, Qwen3-8B"):
+        qwen3_config(model="Qwen3-14B")
 
 
-def test_a_recipes_keys_fit_its_models_shape_tokenizer_and_context(recipe, tmp_path):
-    cfg = load_config(recipe)
+def meta_params(conf: dict, tmp_path: Path) -> int:
+    """Parameters of the torchtitan model the trainer builds from `conf`, built on the meta device."""
+    hf = tmp_path / f"meta-{conf['num_hidden_layers']}-{conf['hidden_size']}"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(conf))
+    with torch.device("meta"):
+        return sum(p.numel() for p in titan_config(read_arch(hf)).build().parameters())
+
+
+def test_the_qwen3_4b_and_8b_shapes(tmp_path):
+    keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "intermediate_size", "vocab_size", "tie_word_embeddings", "max_position_embeddings", "rope_theta")
+    c8, c4 = qwen3_config(model="Qwen3-8B"), qwen3_config(model="Qwen3-4B")
+    assert {k: c8[k] for k in keys} == {
+        "num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151_936, "tie_word_embeddings": False,
+        "max_position_embeddings": 40960, "rope_theta": 1_000_000}
+    assert {k: c4[k] for k in keys} == {
+        "num_hidden_layers": 36, "hidden_size": 2560, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151_936, "tie_word_embeddings": True,
+        "max_position_embeddings": 40960, "rope_theta": 1_000_000}
+    assert c8["max_window_layers"] == c4["max_window_layers"] == 36
+    # the 8B's untied head is a second 151,936 x 4,096 matrix: 8.19e9 in all, the 4B's tied one counted once
+    assert meta_params(c8, tmp_path) == TEACHERS["qwen3-8b-to-0.6b-opd.yaml"][1] == 8_190_735_360
+    assert meta_params(c4, tmp_path) == 4_022_468_096
+
+
+def test_a_recipes_keys_fit_its_models_shape_tokenizer_and_context(recipe, tmp_path, load):
+    cfg = load(recipe)
     name, params = RECIPES[recipe.name]
     assert Path(cfg.model.hf_dir).name == name and name in MODELS
     conf = qwen3_config(model=name)
@@ -126,3 +191,72 @@ def test_a_recipes_keys_fit_its_models_shape_tokenizer_and_context(recipe, tmp_p
         assert ids[0] == IM_START_ID and ids[-4:] == THINK_OFF  # a user turn, then the empty think block
         lengths.append(len(ids))
     assert max(lengths) + cfg.generator.max_new_tokens <= cfg.generator.max_model_len, max(lengths)
+
+
+def teacher_peak_bytes(cfg, conf: dict, params: int) -> dict[str, int]:
+    """The teacher GPU's worst case, term by term, as the OPD recipe's header writes it out: bf16 weights;
+    teacher.max_sequences key/value caches of generator.max_model_len tokens (the longest stream when
+    teacher.context is empty), twice over (a scoring round holds each stream's old cache beside its
+    extended one until the round ends: pipeline/reward_model.py StreamingScorer._round); and one forward
+    of teacher.max_batch whole sequences: their padded cache copy, activations, attention scores on the
+    math kernel, and one sequence's float32 logits and their log-softmax."""
+    tc, n, L = cfg.teacher, cfg.teacher.max_batch, cfg.generator.max_model_len
+    width = 2  # bytes of a bf16 element
+    hd, heads, kv = conf["head_dim"], conf["num_attention_heads"], conf["num_key_value_heads"]
+    kv_token = conf["num_hidden_layers"] * kv * hd * 2 * width  # k and v of every layer
+    act_token = (3 * conf["hidden_size"] + heads * hd + 2 * kv * hd + 4 * conf["intermediate_size"]) * width
+    return {"weights": params * width, "caches": 2 * tc.max_sequences * L * kv_token, "copy": n * L * kv_token,
+            "activations": n * L * act_token, "attention": n * heads * L * L * width * 2,
+            "logits": 2 * L * conf["vocab_size"] * 4}
+
+
+def test_the_opd_recipe_puts_qwen3_8b_on_its_own_gpu_and_fits_it_in_80_gb(monkeypatch, tmp_path, shape_dir, load):
+    monkeypatch.chdir(REPO)
+    recipe = REPO / "configs" / "qwen3-8b-to-0.6b-opd.yaml"
+    student, (teacher, teacher_params) = RECIPES[recipe.name][0], TEACHERS[recipe.name]
+    written = yaml.safe_load(recipe.read_text())
+    assert Path(written["teacher"]["hf_dir"]).name == teacher and teacher in MODELS
+    if not Path(written["teacher"]["hf_dir"]).is_dir():  # as on this machine: the override below is needed
+        with pytest.raises(ConfigError, match="teacher.hf_dir"):
+            load_config(recipe)
+    cfg = load(recipe)
+    t, tc, g = cfg.trainer, cfg.teacher, cfg.generator
+    assert (t.recipe, t.distill_coef, t.reward_coef) == ("opd", 1.0, 0.0)
+    assert (tc.device, tc.dtype, tc.context) == ("cuda", "bfloat16", "")
+    assert Path(tc.hf_dir) == shape_dir(teacher).resolve()
+
+    # the teacher's GPU, as its proc resolves it at start: its own, every GPU of the host used once
+    trainer, gens = gpus_of(cfg, GPUS)
+    mine = resolve_gpus(teacher_placement(cfg), GPUS)
+    assert mine == (7,)
+    others = [i for ids in trainer + gens for i in ids]
+    assert not set(mine) & set(others) and sorted(others + list(mine)) == list(range(GPUS))
+    with pytest.raises(PlacementError, match=r"teacher.devices names GPU 7, but this host has 4 visible GPU"):
+        resolve_gpus(teacher_placement(cfg), 4)
+    for busy in (t.devices.split("-")[0], g.devices.split("-")[0]):  # onto a trainer's or a generator's GPU
+        with pytest.raises(ConfigError, match="teacher.devices"):
+            load(recipe, [f"teacher.devices={busy}"])
+
+    # the teacher reads the student's token ids: the same Qwen3 tokenizer files (the check the run makes
+    # before any mesh starts, pipeline/driver/job.py check_teacher)
+    sdir, tdir = shape_dir(student), shape_dir(teacher)
+    assert check_tokenizers(sdir, tdir) is None
+    sconf, tconf = read_hf_config(sdir), read_hf_config(tdir)
+    # the teacher's vocabulary covers the student's (its ids and every id the student's embedding has)
+    assert tconf["vocab_size"] >= sconf["vocab_size"] >= len(load_tokenizer(sdir))
+    assert tconf["model_type"] == "qwen3" and not tconf["tie_word_embeddings"]
+    assert g.max_model_len <= tconf["max_position_embeddings"]
+
+    # every rollout in flight keeps its stream: no eviction (an evicted stream is scored whole at EOS)
+    b = cfg.buffer
+    assert (b.batch_groups + b.delta_max) * b.group_size <= g.num_generators * g.concurrency < tc.max_sequences
+
+    # the teacher's worst case fits the GPU, with the header's figures
+    assert meta_params(tconf, tmp_path) == teacher_params
+    peak = teacher_peak_bytes(cfg, tconf, teacher_params)
+    assert {k: round(v / 1e9, 1) for k, v in peak.items()} == {
+        "weights": 16.4, "caches": 43.5, "copy": 3.6, "activations": 3.3, "attention": 4.8, "logits": 1.9}
+    assert round(sum(peak.values()) / 1e9, 1) == 73.5
+    assert sum(peak.values()) < 0.9 * GPU_BYTES
+    # the brief form too: weights + every stream at full length once
+    assert peak["weights"] + peak["caches"] // 2 < 0.9 * GPU_BYTES

@@ -88,6 +88,23 @@ def test_get_batch_timeout_names_how_many_groups_were_ready(procs):
     assert buf.admit.call_one().get() is not None  # the actor is still alive and serving
 
 
+def test_set_zero_signal_turns_dynamic_sampling_on_at_runtime(procs):
+    buf = spawn(procs, "buf_zero_signal", zero_signal="auto")
+
+    def flat(g: PromptGroup) -> None:
+        for i in range(g.group_size):
+            buf.add.call_one(replace(rollout(g, i), reward=1.0)).get()
+
+    flat(buf.admit.call_one().get())  # auto starts at keep
+    assert buf.set_zero_signal.call_one("drop").get() == "drop"
+    flat(buf.admit.call_one().get())
+    s = buf.stats.call_one().get()
+    assert s["zero_signal_mode"] == "drop" and s["complete_groups"] == 1 and s["dropped_groups"] == {"zero_signal": 1}
+    with pytest.raises(Exception, match="allowed: 'keep', 'drop'"):
+        buf.set_zero_signal.call_one("sometimes").get()
+    assert buf.stats.call_one().get()["zero_signal_mode"] == "drop"  # the actor still serves
+
+
 def test_state_dict_restores_prompt_position_and_counters(procs):
     a = spawn(procs, "buf_ckpt_a")
     a.admit.call_one().get()

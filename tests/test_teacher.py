@@ -82,6 +82,25 @@ def test_streamed_teacher_logprobs_equal_one_shot_prefill_and_hf_forward(teacher
     assert teacher64.held == 0 and teacher64.counts["prefill_tokens"] > 0
 
 
+def test_a_groups_samples_share_one_prefill_of_the_teachers_prompt(teacher64):
+    """A group's streams start with the same teacher prompt, sent alone: one forward serves them all
+    (twins in one round, or a later stream from the prefix cache), and their log-probs are unchanged."""
+    prompt = seqs(1, 12, 12, seed=21)[0]
+    tails = seqs(4, 3, 9, seed=22)
+    before = teacher64.counts.get("shared_tokens", 0)
+    forwards = teacher64.counts["forwards"]
+    assert teacher64.run([("prefill", f"p{k}", 0, prompt) for k in range(3)]) == [True] * 3
+    assert teacher64.counts["forwards"] == forwards + 1  # three twins, one forward
+    assert teacher64.run([("prefill", "p3", 0, prompt)]) == [True]  # later: from the prefix cache
+    assert teacher64.counts["forwards"] == forwards + 1
+    out = teacher64.run([("finish", f"p{k}", len(prompt), t) for k, t in enumerate(tails)])
+    whole = teacher64.logprobs([prompt + t for t in tails])
+    for got, want in zip(out, whole):
+        assert torch.allclose(torch.tensor(got["logprobs"], dtype=torch.float64),
+                              torch.tensor(want, dtype=torch.float64), atol=1e-10, rtol=0)
+    assert teacher64.counts["shared_tokens"] - before == 3 * len(prompt)
+
+
 def test_teacher_equal_to_the_student_gives_advantage_zero(tiny_dir):
     """teacher.hf_dir=self without context: the teacher's log-probs are the learner's own (HF
     transformers against torchtitan, float32), so A_t = -(log pi_old - log pi_teacher) is 0 up to
@@ -414,3 +433,42 @@ def test_cli_self_distillation_run_with_a_teacher_sigkill(tmp_path):
     assert last["teacher/restarts"] == 1.0 and 0 < last["teacher/overlap_frac"] <= 1
     assert 0 <= last["teacher/top1_agreement"] <= 1
     assert rows[-1]["step"] == 12
+
+
+def test_expected_opd_gradient_equals_trl_gkd_reverse_kl_on_one_batch():
+    """TRL's GKD with beta=1 (and lmbda=1: the student's own samples) minimises the full reverse KL
+    KL(pi_s || pi_t) per position. Our loss uses one sampled token per position; its expectation over
+    y ~ pi_s, enumerated exactly over a small vocabulary, has the same value and the same gradient
+    (the score-function identity), on one batch in float64."""
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDTrainer
+
+    g = torch.Generator().manual_seed(7)
+    n, t, v = 3, 5, 11
+    s_logits = torch.randn(n, t, v, generator=g, dtype=torch.float64, requires_grad=True)
+    t_logits = torch.randn(n, t, v, generator=g, dtype=torch.float64)
+    labels = torch.ones(n, t, dtype=torch.long)
+    labels[0, 3:] = -100  # a shorter completion
+    mask = (labels != -100).double()
+    trl_loss = GKDTrainer.generalized_jsd_loss(s_logits, t_logits, labels, beta=1.0, temperature=T,
+                                               num_items_in_batch=mask.sum())
+    trl_loss.backward()
+    trl_grad = s_logits.grad.clone()
+    s_logits.grad = None
+
+    # ours: every (position, token y) a loss token, weighted by pi_s(y) (detached): the exact expectation
+    logp_all = torch.log_softmax(s_logits / T, -1)  # [n, t, v]
+    lt = torch.log_softmax(t_logits / T, -1)
+    p = logp_all.detach().exp()
+    rows, old = logp_all.reshape(n * t, v), logp_all.detach().reshape(n * t, v)
+    m = mask.reshape(n * t, 1).expand(n * t, v)
+    adv = losses.token_advantages(torch.zeros(n * t, dtype=torch.float64), old, lt.reshape(n * t, v), m, 0.0, 1.0)
+    adv = adv * p.reshape(n * t, v) * v  # token_mean over n·t·v tokens then sums pi_s(y)·(...) per position
+    cfg = TrainerConfig(recipe="opd", correction="none")
+    ours, _ = losses.policy_loss(rows, old, old, m, adv, cfg, denominators=(float(m.sum()), float(n * t)))
+    ours.backward()
+    assert torch.allclose(s_logits.grad, trl_grad, atol=1e-12, rtol=0)
+    expected_rkl = (p * (logp_all.detach() - lt)).sum(-1)
+    assert float((expected_rkl * mask).sum() / mask.sum()) == pytest.approx(float(trl_loss), abs=1e-12)

@@ -125,13 +125,14 @@ def resolve(args) -> None:
 def _base_overrides(args, task: str, seed: int) -> list[str]:
     return [f"task.name={task}", f"run.seed={seed}", f"run.steps={args.steps}",
             f"run.warm_start_steps={args.warm_start_steps}", f"run.eval_every={args.eval_every}",
-            f"task.eval_samples={args.eval_samples}"]
+            f"task.eval_samples={args.eval_samples}", "buffer.zero_signal=keep"]
 
 
 def common_overrides(args, task: str, seed: int) -> list[str]:
     """The config both sides read: a fixed warm start (run.warm_start_steps=auto would stop where its
     probe says, per seed), so every seed starts from the same number of demonstration steps (0: none);
-    the caller's overrides last."""
+    groups without a reward spread kept (buffer.zero_signal=keep: TRL has no dynamic sampling, which
+    auto may turn on); the caller's overrides last."""
     return [*_base_overrides(args, task, seed), *args.overrides]
 
 

@@ -326,7 +326,7 @@ def trl_settings(cfg: Config, steps: int, seed: int, tok=None,
              "(seed, step)"),
     ]
     if t.overlong_buffer or t.entropy_coef or t.ratio_level != "token" or t.weight_form != "ppo" \
-            or b.zero_signal != "keep":
+            or b.zero_signal != "keep":  # auto may turn dynamic sampling on, which TRL does not do
         notes.append(dict(setting="other loss parts", project=f"trainer.overlong_buffer={t.overlong_buffer}, "
                           f"entropy_coef={t.entropy_coef}, ratio_level={t.ratio_level}, weight_form={t.weight_form}, "
                           f"buffer.zero_signal={b.zero_signal}", trl="not mapped (TRL's defaults)", verdict=differ))

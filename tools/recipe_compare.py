@@ -9,8 +9,9 @@ Each (recipe, seed) is a whole CLI run (`python -m pipeline.run --config configs
 trainer.recipe=R run.seed=S run.steps=N ...`), one after another (they would share the cores), into
 --out/R-sS. A recipe's own needs come with it: `gspo` runs with `trainer.correction=seq_is` (the
 config's token-level `tis` is refused with a sequence-level ratio), `dapo` with
-`buffer.zero_signal=drop` (its dynamic sampling). Every run has the same batch (4 groups of 8), so
-equal steps are equal trained samples. `--recorded LABEL=DIR,DIR` adds finished runs of the same
+`buffer.zero_signal=drop` (its dynamic sampling); every other recipe with `buffer.zero_signal=keep`
+(not auto, whose choice may differ per run), so the recipes differ in their loss alone. Every run
+has the same batch (4 groups of 8), so equal steps are equal trained samples. `--recorded LABEL=DIR,DIR` adds finished runs of the same
 config (their rows up to --steps; a directory or its metrics .jsonl), e.g. the three seeds of the
 recipe's default loss; a LABEL that is also in --recipes adds them to that recipe's runs (earlier
 seeds of it). A source may also be an earlier recipes.json of this tool, whose one-run entry for
@@ -41,6 +42,8 @@ from pipeline.driver.metrics import read_jsonl  # noqa: E402
 
 CONFIG = "configs/smollm2-135m-add.yaml"
 NEEDS = {"gspo": ["trainer.correction=seq_is"], "dapo": ["buffer.zero_signal=drop"]}
+BASE = ["buffer.zero_signal=keep"]
+"""Every recipe's runs, before its NEEDS (module docstring)."""
 """What a recipe needs beside its preset on this config (module docstring)."""
 EVALS = (("greedy", "eval/reward_greedy"), ("sampled", "eval/reward"), ("pass@k", "eval/pass@k"))
 END = ("response/length_mean", "entropy", "clip_low_frac", "clip_high_frac", "cispo_clip_frac",
@@ -185,7 +188,8 @@ def main() -> int:
         for seed in args.seeds.split(","):
             run_dir = out / f"{recipe}-s{seed}"
             overrides = [f"trainer.recipe={recipe}", f"run.seed={seed}", f"run.steps={args.steps}",
-                         "run.progress=false", f"run.out_dir={run_dir}", *NEEDS.get(recipe, []), *args.overrides]
+                         "run.progress=false", f"run.out_dir={run_dir}", *BASE, *NEEDS.get(recipe, []),
+                         *args.overrides]
             runs.append(run_cli(run_dir, overrides, args.config, args.timeout, args.reuse,
                                 f"recipe_compare {recipe} seed {seed}"))
         r = summarise(recipe, runs, args.steps)

@@ -109,6 +109,15 @@ class Config:
             check(r.allow_shared_devices or not both, "generator.devices", g.devices,
                   f"GPUs not in trainer.devices={t.devices!r} ({format_ids(both)} in both), "
                   "or run.allow_shared_devices=true")
+        tc = self.teacher
+        if tc.hf_dir and tc.device == "cuda":  # the teacher's GPU is named, and not one of the other meshes'
+            tg = set(id_set("teacher.devices", tc.devices, "GPU"))
+            check(len(tg) == 1, "teacher.devices", tc.devices, "one GPU id with teacher.device='cuda' (the "
+                  "default assignment would put it on a GPU of the trainer's or the generators')")
+            for key, spec in (("trainer.devices", t.devices), ("generator.devices", g.devices)):
+                both = tg & set(id_set(key, spec, "GPU"))
+                check(r.allow_shared_devices or not both, "teacher.devices", tc.devices,
+                      f"a GPU not in {key}={spec!r}, or run.allow_shared_devices=true")
 
     def _resolve_recipe(self) -> None:
         """The loss recipe's parts outside trainer.*: buffer.normalize_std (unless set), and dapo's

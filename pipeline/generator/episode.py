@@ -246,7 +246,7 @@ class Episodes:
                         if rm_stream:
                             rm.feed(traj.key, context, ids)
                         if t_stream:
-                            teacher.feed(traj.key, t_context, ids)
+                            teacher.feed(traj.key, t_context, ids, len(traj.teacher_prompt))
         except TimeoutError:
             raise TimeoutError(f"{traj.key}: request {rid} took over {self.g.request_timeout_s:.0f}s "
                                "(generator.request_timeout_s)") from None

@@ -73,18 +73,25 @@ class RewardModelClient:
     def _new(self) -> _Stream:
         return _Stream(f"{self.prefix}{next(self._ids)}")
 
-    def feed(self, key: str, context: Sequence[int], new: Sequence[int] = ()) -> None:
+    def feed(self, key: str, context: Sequence[int], new: Sequence[int] = (), prompt_len: int = 0) -> None:
         """Stream the sequence context + new: send what was not sent yet once at least
-        chunk_tokens of it wait (and the actor is reachable). Never blocks."""
+        chunk_tokens of it wait (and the actor is reachable). Never blocks. `prompt_len` > 0: the
+        first `prompt_len` tokens go at once as a chunk of their own (a prefix the actor shares
+        between the streams that start with it: the teacher's prompt, the same for a group)."""
         if self.chunk <= 0 or self.handle is None:  # no reward model attached yet
             return
         st = self._streams.get(key)
         if st is None:
             st = self._streams[key] = self._new()
+        if st.sent == 0 and 0 < prompt_len <= len(context) and not st.broken:
+            self._send(st, list(context[:prompt_len]))
         total = len(context) + len(new)
         if st.broken or total - st.sent < self.chunk:
             return
-        tokens = [*context[st.sent:], *new[max(0, st.sent - len(context)):]]
+        self._send(st, [*context[st.sent:], *new[max(0, st.sent - len(context)):]])
+
+    def _send(self, st: _Stream, tokens: list[int]) -> None:
+        """Send `tokens` as the stream's next chunk (at offset st.sent), fire and forget."""
         try:
             call = asyncio.ensure_future(self.handle.prefill.call_one(st.seq, st.sent, tokens))
         except Exception:  # noqa: BLE001 - the actor cannot take it now: finish sends the sequence whole
@@ -92,7 +99,7 @@ class RewardModelClient:
             return
         self._inflight.add(call)
         call.add_done_callback(lambda f, st=st: self._chunk_done(f, st))
-        st.sent = total
+        st.sent += len(tokens)
         self.counts["chunks"] += 1
         self.counts["chunk_tokens"] += len(tokens)
 

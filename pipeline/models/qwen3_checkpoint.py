@@ -1,17 +1,17 @@
-"""A Qwen3 checkpoint with real shapes and random weights: Qwen3-0.6B's (or 1.7B's) config.json, bf16 safetensors
-under HF names, and Qwen3's real tokenizer (pipeline/models/qwen3_tokenizer.py), so every loader (HF transformers, vLLM,
-this project's torchtitan trainer) takes the path a downloaded Qwen3-0.6B takes.
+"""A Qwen3 checkpoint with real shapes and random weights: Qwen3-0.6B's (or 1.7B's, 4B's, 8B's) config.json,
+bf16 safetensors under HF names, and Qwen3's real tokenizer (pipeline/models/qwen3_tokenizer.py), so every
+loader (HF transformers, vLLM, this project's torchtitan trainer) takes the path a downloaded Qwen3-0.6B takes.
 
     conf = qwen3_config()                                   # Qwen3-0.6B exactly
-    conf = qwen3_config(model="Qwen3-1.7B")                 # Qwen3-1.7B exactly
+    conf = qwen3_config(model="Qwen3-1.7B")                 # Qwen3-1.7B exactly (also Qwen3-4B, Qwen3-8B)
     conf = qwen3_config(layers=2, hidden=64, ffn=128, heads=2, kv_heads=1)   # shrunk for tests
     hf_dir = build_checkpoint("/tmp/q3", conf, seed=0)      # writes the folder, returns it
     hf_dir = ensure_checkpoint(conf, seed=0)                # the same, built once under .cache/qwen3
 
 A shrunk config keeps what makes the checkpoint Qwen3 rather than a toy: the 151,936-row vocabulary
-and its tokenizer, head_dim 128, q/k norms, tied embeddings, RoPE θ = 1e6, bf16. Weights are drawn
-N(0, 0.02) (the config's initializer_range) and every RMSNorm weight is 1, as an untrained Qwen3 is
-initialised; the logits of such a model are near uniform over the vocabulary. Like the real
+and its tokenizer, head_dim 128, q/k norms, the model's tying (tied but for Qwen3-8B), RoPE θ = 1e6,
+bf16. Weights are drawn N(0, 0.02) (the config's initializer_range) and every RMSNorm weight is 1, as an
+untrained Qwen3 is initialised; the logits of such a model are near uniform over the vocabulary. Like the real
 Qwen3-0.6B file, model.safetensors stores `lm_head.weight` too, equal to `model.embed_tokens.weight`
 (tied models must load with or without it; this project's own saves leave it out).
 
@@ -69,7 +69,18 @@ QWEN3_1_7B: dict = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144
 """Qwen3-1.7B's config.json: 0.6B's but hidden 2048 and FFN 6144 (28 layers, 16 query / 8 KV heads of 128,
 the same vocabulary, tied embeddings, 40,960 positions)."""
 
-MODELS: dict[str, dict] = {"Qwen3-0.6B": QWEN3_0_6B, "Qwen3-1.7B": QWEN3_1_7B}
+QWEN3_4B: dict = {**QWEN3_0_6B, "hidden_size": 2560, "intermediate_size": 9728, "num_attention_heads": 32,
+                  "num_hidden_layers": 36, "max_window_layers": 36}
+"""Qwen3-4B's config.json: 36 layers, hidden 2560, FFN 9728, 32 query / 8 KV heads of 128, tied embeddings,
+the same vocabulary and 40,960 positions (4,022,468,096 parameters, the embedding counted once)."""
+
+QWEN3_8B: dict = {**QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+                  "num_hidden_layers": 36, "max_window_layers": 36, "tie_word_embeddings": False}
+"""Qwen3-8B's config.json: 36 layers, hidden 4096, FFN 12288, 32 query / 8 KV heads of 128, an untied LM
+head, the same vocabulary and 40,960 positions (8,190,735,360 parameters, the head counted apart)."""
+
+MODELS: dict[str, dict] = {"Qwen3-0.6B": QWEN3_0_6B, "Qwen3-1.7B": QWEN3_1_7B, "Qwen3-4B": QWEN3_4B,
+                           "Qwen3-8B": QWEN3_8B}
 """The shapes `qwen3_config(model=...)` starts from, by the name of the Hugging Face repository."""
 
 _FORMAT = 1  # bump when the files written here change
