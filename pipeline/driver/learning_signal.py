@@ -155,6 +155,8 @@ def preflight(p: Probe, facts: RunFacts = RunFacts()) -> tuple[str, bool]:
              else f"the policy rarely solves a prompt in {p.k} tries")
     effect = ("GRPO gets almost no gradient" if p.spread < 0.1
               else "GRPO learns from those groups only, the others add no gradient")
+    if facts.teacher:  # the teacher's per-token advantage reaches every group
+        effect += " from the reward; the teacher's per-token signal reaches every group"
     choice = (f"dynamic sampling on ({why}): groups without a spread are dropped and replaced by new prompts"
               if on else f"dynamic sampling off ({why})")
     levers = [] if facts.teacher else [TEACHER_LEVER, SELF_DISTILL_LEVER]
@@ -170,6 +172,8 @@ def preflight(p: Probe, facts: RunFacts = RunFacts()) -> tuple[str, bool]:
                    "a higher generator.temperature, a larger buffer.group_size (more tries per prompt), or easier prompts"]
     out = (head[:-2] + f", pass rate {p.pass_rate:.3f}: most groups will have no reward spread ({cause}), so "
            f"{effect}; {choice}; other levers: " + "; ".join(levers))
+    if facts.teacher:
+        return out, True
     if facts.steps and facts.steps < facts.patience:
         out += (f". run.steps={facts.steps} is below run.no_signal_patience={facts.patience}: the run ends before "
                 "the zero-signal alarm can fire")
