@@ -79,6 +79,9 @@ class Measure(Hook):
         metrics.update({
             "throughput/samples_per_s": self.samples / elapsed, "throughput/trained_tokens_per_s": self.tokens / elapsed,
             "throughput/gen_tokens_per_s": sum(g["tokens_per_s"] for g in gens),
+            # every token the live generators sampled for training (rejected, dropped and carried ones included)
+            "throughput/gen_tokens_total": float(sum(g["tokens"] for g in gens)),
+            "throughput/gen_tokens_per_trained_sample": sum(g["tokens"] for g in gens) / max(self.samples, 1),
             "sync/latency_s": job.sync.last.get("total_s", float("nan")),
             "sync/verified_pushes": float(job.sync.verified_pushes),
             "sync/update_pause_s": sum(g["pause_s_mean"] for g in gens) / len(gens) if gens else float("nan"),
