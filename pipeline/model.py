@@ -46,12 +46,42 @@ def model_dir(cfg: ModelConfig) -> Path:
 
 def check_model(cfg: ModelConfig) -> Arch:
     """The checked architecture of the run's model, from files only (the CLI calls it before anything
-    starts): ModelError naming the directory, the field, its value and what is supported."""
+    starts): ModelError naming the directory, the field, its value and what is supported, or a
+    weights file that is cut short."""
     if not cfg.hf_dir:
         from pipeline.models import arch_from_config
 
         return arch_from_config(tiny_config(cfg), "the tiny model")
-    return read_arch(model_dir(cfg))
+    arch = read_arch(model_dir(cfg))
+    why = check_weights(model_dir(cfg))
+    if why is not None:
+        raise ModelError(f"model.hf_dir={cfg.hf_dir!r}: {why}")
+    return arch
+
+
+def check_weights(hf_dir: Path) -> str | None:
+    """Why the *.safetensors files of `hf_dir` cannot be whole (none; a header that cannot be read; a
+    file shorter than its header says: a truncated copy), or None. Reads headers only."""
+    import json
+    import struct
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        return "no *.safetensors weights file"
+    for f in files:
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size - 8:
+                    return f"{f.name}: its header says {n} bytes, the file has {size} (truncated)"
+                header = json.loads(fh.read(n))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            return f"{f.name}: not a readable safetensors file ({type(e).__name__}: {e})"
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            return f"{f.name} has {size} bytes, its header describes {8 + n + end} (truncated)"
+    return None
 
 
 def read_hf_config(hf_dir: Path) -> dict:

@@ -267,6 +267,8 @@ def other_tokenizer_copy(src, dst, change: str):
     for f in src.iterdir():
         if f.is_file():
             (dst / f.name).write_bytes(f.read_bytes())
+    if change == "none":
+        return dst
     if change == "vocab":
         tj = json.loads((dst / "tokenizer.json").read_text())
         vocab = tj["model"]["vocab"]
@@ -472,3 +474,57 @@ def test_expected_opd_gradient_equals_trl_gkd_reverse_kl_on_one_batch():
     assert torch.allclose(s_logits.grad, trl_grad, atol=1e-12, rtol=0)
     expected_rkl = (p * (logp_all.detach() - lt)).sum(-1)
     assert float((expected_rkl * mask).sum() / mask.sum()) == pytest.approx(float(trl_loss), abs=1e-12)
+
+
+def test_a_truncated_or_unsupported_teacher_checkpoint_is_a_config_error_naming_the_key(tiny_dir, tmp_path):
+    """Before anything starts: a teacher whose weights file is cut short, or whose family this build
+    does not support, or a context naming a column the prompts lack, is a ConfigError naming the key."""
+    from pipeline.driver.job import check_teacher
+    from pipeline.model import check_weights
+    from pipeline.tasks import open_task
+
+    trunc = other_tokenizer_copy(tiny_dir, tmp_path / "trunc", "none")
+    w = next(trunc.glob("*.safetensors"))
+    with open(w, "r+b") as f:
+        f.truncate(w.stat().st_size // 3)
+    assert "truncated" in check_weights(trunc) and check_weights(tiny_dir) is None
+    fam = other_tokenizer_copy(tiny_dir, tmp_path / "fam", "none")
+    conf = json.loads((fam / "config.json").read_text())
+    conf["model_type"] = "gpt2"
+    (fam / "config.json").write_text(json.dumps(conf))
+    for d, why in ((trunc, "truncated"), (fam, "model_type='gpt2' is not supported")):
+        cfg = load_config("configs/tiny.yaml", [f"teacher.hf_dir={d}", "trainer.recipe=opd"])
+        with pytest.raises(ConfigError, match="teacher.hf_dir") as e:
+            check_teacher(cfg, open_task(cfg.task, evaluate=False))
+        assert why in str(e.value) and "\n" not in str(e.value)
+    cfg = load_config("configs/tiny.yaml", ["teacher.hf_dir=self", "teacher.context=Hint {solution}"])
+    with pytest.raises(ConfigError, match=r"teacher.context.*they have: answer, prompt"):
+        check_teacher(cfg, open_task(cfg.task, evaluate=False))
+
+
+def test_a_multi_turn_rollouts_environment_tokens_get_no_teacher_logprob():
+    """The teacher reads the whole rollout (its prompt, model turns, observations); the rollout keeps
+    its log-probs on the model's tokens only, aligned with completion_tokens, 0 on the environment's."""
+    from types import SimpleNamespace
+
+    from pipeline.generator.episode import Episodes
+    from pipeline.generator.trajectory import Trajectory
+    from pipeline.types import PromptGroup, PromptItem
+
+    traj = Trajectory(PromptGroup(0, PromptItem(0, "q"), 1, 0), 0, (1, 2, 3), teacher_prompt=(1, 2, 3, 4, 5))
+    traj.extend([10, 11], [-0.1, -0.2], [0, 0])
+    traj.extend_env([20, 21, 22])
+    traj.extend([12], [-0.3], [1])
+    seq = traj.teacher_context()
+    assert seq == [1, 2, 3, 4, 5, 10, 11, 20, 21, 22, 12]
+
+    class Client:
+        async def finish(self, key, tokens):
+            assert tokens == seq
+            return {"logprobs": [-float(i) for i in range(1, len(tokens))], "top1": [1] * (len(tokens) - 1)}
+
+    eps = SimpleNamespace(teacher=Client(), teacher_counts={"tokens": 0, "top1": 0, "wait_s": 0.0, "scored": 0})
+    out = asyncio.run(Episodes.teacher_logprobs(eps, traj, time.monotonic()))
+    # token i of the sequence has log-prob -i (lps[i-1]); the completion starts at position 5
+    assert out == (-5.0, -6.0, 0.0, 0.0, 0.0, -10.0)
+    assert eps.teacher_counts["tokens"] == 3 and eps.teacher_counts["top1"] == 3

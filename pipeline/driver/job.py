@@ -239,7 +239,13 @@ def check_teacher(cfg: Config, task: Any) -> None:
     if not tc.hf_dir:
         return
     if tc.hf_dir != SELF:
-        why = check_tokenizers(model_dir(cfg.model), tc.hf_dir)
+        from pipeline.model import ModelError, check_weights, read_arch
+
+        try:
+            read_arch(Path(tc.hf_dir))  # a family and fields this build supports
+        except ModelError as e:
+            raise ConfigError(f"config: teacher.hf_dir={tc.hf_dir!r} cannot be used: {e}") from None
+        why = check_weights(Path(tc.hf_dir)) or check_tokenizers(model_dir(cfg.model), tc.hf_dir)
         if why is not None:
             raise ConfigError(f"config: teacher.hf_dir={tc.hf_dir!r} cannot teach model.hf_dir="
                               f"{str(Path(model_dir(cfg.model)).resolve())!r}: {why}")
