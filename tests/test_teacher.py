@@ -401,8 +401,8 @@ def test_cli_self_distillation_run_with_a_teacher_sigkill(tmp_path):
     distill metrics; the teacher's proc is SIGKILLed mid-run, the supervisor restarts it, and the
     run completes."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=12", "run.eval_every=0",
-           "run.warm_start_steps=10", f"run.out_dir={out}", "teacher.hf_dir=self", "teacher.chunk_tokens=4",
+    cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=8", "run.eval_every=0",
+           "run.warm_start_steps=0", f"run.out_dir={out}", "teacher.hf_dir=self", "teacher.chunk_tokens=4",
            "teacher.context=The answer is {answer}.", "trainer.recipe=opd+grpo", "run.progress=false"]
     log = open(tmp_path / "log.txt", "w")
     p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -413,7 +413,7 @@ def test_cli_self_distillation_run_with_a_teacher_sigkill(tmp_path):
             m = out / "metrics.jsonl"
             return sum(1 for line in m.read_text().splitlines() if '"step": ' in line) if m.exists() else 0
 
-        while steps() < 3:
+        while steps() < 2:
             assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
             time.sleep(0.5)
         victim = json.loads((out / "placement.json").read_text())["teacher"]["pid"]
@@ -430,11 +430,11 @@ def test_cli_self_distillation_run_with_a_teacher_sigkill(tmp_path):
     assert json.loads((out / "placement.json").read_text())["teacher"]["pid"] != victim
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "distill/rkl" in r]
-    assert len(trained) >= 10 and all(r["distill/rkl"] == r["distill/rkl"] for r in trained)
+    assert len(trained) == 8 and all(r["distill/rkl"] == r["distill/rkl"] for r in trained)
     last = [r for r in rows if "teacher/restarts" in r][-1]
     assert last["teacher/restarts"] == 1.0 and 0 < last["teacher/overlap_frac"] <= 1
     assert 0 <= last["teacher/top1_agreement"] <= 1
-    assert rows[-1]["step"] == 12
+    assert rows[-1]["step"] == 8
 
 
 def test_expected_opd_gradient_equals_trl_gkd_reverse_kl_on_one_batch():
