@@ -68,11 +68,16 @@ class StreamingScorer:
             raise ScorerError(f"{hf_dir}: a reward model needs a scalar head (num_labels=1 in config.json), "
                               f"this one has num_labels={getattr(conf, 'num_labels', None)}")
         model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa")
+        self._serve(hf_dir, conf, model, getattr(model, "score", None), "`score` head (a decoder "
+                    "*ForSequenceClassification model is needed)", device, max_sequences, max_batch)
+
+    def _serve(self, hf_dir, conf, model, head, needs: str, device: str, max_sequences: int, max_batch: int) -> None:
+        """Take `model` (its decoder body and `head`, a Linear on the final hidden states) and the
+        empty stream table; ScorerError naming `hf_dir` and what it `needs` if either is missing."""
         self.body = getattr(model, model.base_model_prefix, None)
-        self.head = getattr(model, "score", None)
+        self.head = head
         if self.body is None or not isinstance(self.head, torch.nn.Linear):
-            raise ScorerError(f"{hf_dir}: {type(model).__name__} has no decoder body and `score` head "
-                              "(a decoder *ForSequenceClassification model is needed)")
+            raise ScorerError(f"{hf_dir}: {type(model).__name__} has no decoder body and {needs}")
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.vocab_size = int(conf.vocab_size)

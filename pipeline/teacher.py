@@ -24,14 +24,12 @@ Pure torch + transformers, no Monarch: actors/teacher.py serves it on its own me
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from pipeline.reward_model import ScorerError, StreamingScorer, _Stream
+from pipeline.reward_model import StreamingScorer, _Stream
 
 __all__ = ["TeacherScorer", "check_tokenizers", "teacher_prompt"]
 
@@ -48,21 +46,9 @@ class TeacherScorer(StreamingScorer):
 
         conf = AutoConfig.from_pretrained(hf_dir)
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa")
-        self.body = getattr(model, model.base_model_prefix, None)
-        self.head = model.get_output_embeddings()
-        if self.body is None or not isinstance(self.head, torch.nn.Linear):
-            raise ScorerError(f"{hf_dir}: {type(model).__name__} has no decoder body and output head "
-                              "(a decoder *ForCausalLM model is needed)")
-        self.model = model.to(device).eval()
-        self.device = torch.device(device)
-        self.vocab_size = int(conf.vocab_size)
-        self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
-        self.max_sequences, self.max_batch = max_sequences, max_batch
+        self._serve(hf_dir, conf, model, model.get_output_embeddings(), "output head (a decoder *ForCausalLM "
+                    "model is needed)", device, max_sequences, max_batch)
         self.temperature = temperature if temperature > 0 else 1.0
-        self._states: OrderedDict[str, _Stream] = OrderedDict()
-        self._lock = threading.Lock()
-        self.counts = {"prefill_tokens": 0, "finish_tokens": 0, "whole_tokens": 0, "lost": 0, "evicted": 0,
-                       "forwards": 0}
 
     def _grown(self, st: _Stream | None, tokens: list[int], new: _Stream, hidden: torch.Tensor) -> _Stream:
         # position i's hidden state predicts token i + 1: the chunk's first token from the last one before it
@@ -100,7 +86,6 @@ def one_shot_logprobs(hf_dir: str | Path, ids: Sequence[int], temperature: float
 def check_tokenizers(student_dir: str | Path, teacher_dir: str | Path) -> str | None:
     """The first difference that keeps the teacher in `teacher_dir` from reading the student's token
     ids (vocabulary, special ids, end-of-turn token, vocab_size), or None if there is none."""
-    from transformers import AutoTokenizer
 
     from pipeline.tokens import SpecialTokens, load_tokenizer
 

@@ -13,6 +13,60 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def actor_spawner(actor_cls, overrides: list[str], loop, name: str):
+    """A fixture body: yields spawn(incarnation) -> (actor, its setup's answer), each on a proc of its
+    own (`overrides` make its config); every proc it made is stopped at the end."""
+    from monarch.actor import this_host
+
+    from pipeline.config import load_config
+
+    made = []
+
+    async def spawn(incarnation: int = 0):
+        cfg = load_config(None, overrides)
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        made.append(procs)
+        actor = procs.spawn(f"{name}{len(made)}", actor_cls, cfg, incarnation)
+        return actor, await asyncio.wait_for(actor.setup.call_one(), 120)
+
+    yield spawn
+    for p in made:
+        try:
+            loop.run_until_complete(asyncio.wait_for(p.stop(), 30))
+        except Exception:  # noqa: BLE001 - a proc the test killed
+            pass
+
+
+def run_and_kill(cmd: list[str], out, log_path, role: str, after_steps: int, timeout_s: float = 400) -> tuple[int, int]:
+    """Run the CLI `cmd` (its run.out_dir is `out`, its output goes to `log_path`), SIGKILL the proc of
+    `role` (its pid in out/placement.json) once `after_steps` steps are in metrics.jsonl, and wait for
+    the run's end. Returns (exit code, the killed pid); the run is killed if the test fails first."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    log = open(log_path, "w")
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+
+        def steps() -> int:
+            m = Path(out) / "metrics.jsonl"
+            return sum(1 for line in m.read_text().splitlines() if '"step": ' in line) if m.exists() else 0
+
+        while steps() < after_steps:
+            assert p.poll() is None and time.monotonic() < deadline, Path(log_path).read_text()[-3000:]
+            time.sleep(0.5)
+        victim = json.loads((Path(out) / "placement.json").read_text())[role]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        return p.wait(timeout=600), victim
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     from pipeline.config import ModelConfig

@@ -15,7 +15,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.reward_model import ScorerError, StreamingScorer, check_tokenizer, init_scorer
 from pipeline.tasks import RewardRejected
 
-from tests.conftest import REPO
+from tests.conftest import REPO, actor_spawner, run_and_kill
 
 
 @pytest.fixture(scope="module")
@@ -178,25 +177,10 @@ def test_cli_refuses_a_reward_model_with_another_tokenizer_with_exit_2(scorer_di
 @pytest.fixture(scope="module")
 def rm_mesh(scorer_dir, loop):
     """A spawner of reward-model actors on real procs; every proc it made is stopped at the end."""
-    from monarch.actor import this_host
-
     from actors.reward_model import RewardModelActor
 
-    made = []
-
-    async def spawn(incarnation: int = 0):
-        cfg = load_config(None, [f"reward_model.path={scorer_dir}", "reward_model.max_sequences=64"])
-        procs = this_host().spawn_procs(per_host={"procs": 1})
-        made.append(procs)
-        rm = procs.spawn(f"rm{len(made)}", RewardModelActor, cfg, incarnation)
-        return rm, await asyncio.wait_for(rm.setup.call_one(), 120)
-
-    yield spawn
-    for p in made:
-        try:
-            loop.run_until_complete(asyncio.wait_for(p.stop(), 30))
-        except Exception:  # noqa: BLE001 - a proc the test killed
-            pass
+    yield from actor_spawner(RewardModelActor, [f"reward_model.path={scorer_dir}", "reward_model.max_sequences=64"],
+                             loop, "rm")
 
 
 def test_client_streams_chunks_to_the_actor_and_gets_the_whole_sequence_score(rm_mesh, scorer, loop):
@@ -289,25 +273,7 @@ def test_cli_run_scores_with_the_reward_model_and_survives_its_sigkill(scorer_di
     cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=14", "run.eval_every=0",
            "run.warm_start_steps=15", f"run.out_dir={out}", f"reward_model.path={scorer_dir}", "reward_model.chunk_tokens=4",
            "reward_model.task_weight=0.5", "run.progress=false"]
-    log = open(tmp_path / "log.txt", "w")
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 400
-
-        def steps() -> int:
-            m = out / "metrics.jsonl"
-            return sum(1 for line in m.read_text().splitlines() if '"step": ' in line) if m.exists() else 0
-
-        while steps() < 3:
-            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
-            time.sleep(0.5)
-        victim = json.loads((out / "placement.json").read_text())["reward_model"]["pid"]
-        os.kill(victim, signal.SIGKILL)
-        rc = p.wait(timeout=600)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        log.close()
+    rc, victim = run_and_kill(cmd, out, tmp_path / "log.txt", "reward_model", 3)
     text = (tmp_path / "log.txt").read_text()
     assert rc == 0, text[-4000:]
     events = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]

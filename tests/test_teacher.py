@@ -27,7 +27,7 @@ from pipeline.config import Config, ConfigError, ModelConfig, TrainerConfig, loa
 from pipeline.tasks import RewardRejected
 from pipeline.teacher import TeacherScorer, check_tokenizers, one_shot_logprobs, teacher_prompt
 
-from tests.conftest import REPO
+from tests.conftest import REPO, actor_spawner, run_and_kill
 
 T = 0.7  # a sampling temperature != 1: the teacher scores softmax(logits / T), as the learner does
 
@@ -317,25 +317,10 @@ def test_cli_refuses_a_teacher_with_another_tokenizer_with_exit_2(tiny_dir, tmp_
 
 @pytest.fixture(scope="module")
 def teacher_mesh(tiny_dir, loop):
-    from monarch.actor import this_host
-
     from actors.teacher import TeacherActor
 
-    made = []
-
-    async def spawn(incarnation: int = 0):
-        cfg = load_config(None, ["teacher.hf_dir=self", "teacher.max_sequences=64", f"generator.temperature={T}"])
-        procs = this_host().spawn_procs(per_host={"procs": 1})
-        made.append(procs)
-        t = procs.spawn(f"teacher{len(made)}", TeacherActor, cfg, incarnation)
-        return t, await asyncio.wait_for(t.setup.call_one(), 120)
-
-    yield spawn
-    for p in made:
-        try:
-            loop.run_until_complete(asyncio.wait_for(p.stop(), 30))
-        except Exception:  # noqa: BLE001 - a proc the test killed
-            pass
+    yield from actor_spawner(TeacherActor, ["teacher.hf_dir=self", "teacher.max_sequences=64",
+                                            f"generator.temperature={T}"], loop, "teacher")
 
 
 def test_client_streams_to_the_teacher_actor_and_survives_its_sigkill(teacher_mesh, tiny_dir, loop):
@@ -404,25 +389,7 @@ def test_cli_self_distillation_run_with_a_teacher_sigkill(tmp_path):
     cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=8", "run.eval_every=0",
            "run.warm_start_steps=0", f"run.out_dir={out}", "teacher.hf_dir=self", "teacher.chunk_tokens=4",
            "teacher.context=The answer is {answer}.", "trainer.recipe=opd+grpo", "run.progress=false"]
-    log = open(tmp_path / "log.txt", "w")
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 400
-
-        def steps() -> int:
-            m = out / "metrics.jsonl"
-            return sum(1 for line in m.read_text().splitlines() if '"step": ' in line) if m.exists() else 0
-
-        while steps() < 2:
-            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
-            time.sleep(0.5)
-        victim = json.loads((out / "placement.json").read_text())["teacher"]["pid"]
-        os.kill(victim, signal.SIGKILL)
-        rc = p.wait(timeout=600)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        log.close()
+    rc, victim = run_and_kill(cmd, out, tmp_path / "log.txt", "teacher", 2)
     text = (tmp_path / "log.txt").read_text()
     assert rc == 0, text[-4000:]
     events = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
