@@ -109,16 +109,21 @@ class Session:
         return self._run(self.pipe.stats())
 
     def call(self, actor: str, endpoint: str, *args: Any, **kwargs: Any) -> Any:
-        """Call any endpoint: actor is 'trainer', 'buffer' or 'generatorN'; trainer calls return rank 0's value."""
+        """Call any endpoint: actor is 'trainer', 'buffer', 'generatorN', or a side mesh the config has
+        ('reward_model', 'teacher'); trainer calls return rank 0's value."""
         n = len(self.pipe.fleet.generators)
-        if actor == "trainer":
+        sides = {s.name: s for s in self.pipe.fleet.sides()}
+        if actor in sides and sides[actor].handle is not None:
+            mesh = sides[actor].handle
+        elif actor == "trainer":
             mesh = self.pipe.trainer.mesh
         elif actor == "buffer":
             mesh = self.pipe.buffer
         elif actor.startswith("generator") and actor[9:].isdigit() and int(actor[9:]) < n:
             mesh = self._generator(int(actor[9:]))
         else:
-            raise ValueError(f"unknown actor {actor!r}; use 'trainer', 'buffer' or generator0..{n - 1}")
+            raise ValueError(f"unknown actor {actor!r}; use 'trainer', 'buffer', generator0..{n - 1}"
+                             + "".join(f" or {k!r}" for k in sides))
         ep = getattr(mesh, endpoint, None)
         if ep is None or not hasattr(ep, "call_one"):
             raise ValueError(f"{actor} has no endpoint {endpoint!r}")
