@@ -166,6 +166,19 @@ def distill_sums(old: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
         return out
 
 
+def finalize_distill(s: dict[str, float]) -> dict[str, float]:
+    """distill/rkl: the mean reverse KL estimate log π_old − log π_teacher per loss token, and by
+    completion position (tokens 0-15, 16-63, 64 on), from `distill_sums` reduced and prefixed
+    `distill_` (the trainer's first minibatch); {} when the batch had no teacher."""
+    if "distill_rkl_tokens" not in s:
+        return {}
+    out = {"distill/rkl": s["distill_rkl_sum"] / max(s["distill_rkl_tokens"], 1.0)}
+    for k, name in enumerate(("0_15", "16_63", "64_")):
+        n = s[f"distill_rkl_b{k}_tokens"]
+        out[f"distill/rkl_pos{name}"] = s[f"distill_rkl_b{k}_sum"] / n if n else float("nan")
+    return out
+
+
 def local_denominators(mask: torch.Tensor) -> tuple[float, float]:
     """(token count, count of sequences with ≥ 1 loss token) of this shard; all-reduce for DP."""
     return float(mask.sum().item()), float((mask.sum(dim=1) > 0).sum().item())

@@ -84,9 +84,10 @@ class StreamingScorer:
         self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
         self.max_sequences, self.max_batch = max_sequences, max_batch
         self._states: OrderedDict[str, _Stream] = OrderedDict()
+        self._prefixes: OrderedDict[tuple, _Stream] = OrderedDict()  # share_prefixes: prompt states by tokens
         self._lock = threading.Lock()  # one forward at a time; every call may come from a worker thread
         self.counts = {"prefill_tokens": 0, "finish_tokens": 0, "whole_tokens": 0, "lost": 0, "evicted": 0,
-                       "forwards": 0}
+                       "forwards": 0, "shared_tokens": 0}
 
     # ---------------------------------------------------------------- one call per operation
 
@@ -180,7 +181,7 @@ class StreamingScorer:
                 for i in joined:
                     results[i] = True
                 self._keep(seq, self._copy(self._prefixes[tuple(tokens)]))
-                self.counts["shared_tokens"] = self.counts.get("shared_tokens", 0) + len(tokens)
+                self.counts["shared_tokens"] += len(tokens)
                 continue
             if not tokens:  # nothing to add (offset > 0, so st holds the stream): score or keep it as it is
                 for i in joined:
@@ -230,7 +231,7 @@ class StreamingScorer:
                         for i in tjoined:
                             results[i] = True
                         self._keep(tseq, self._copy(new))
-                        self.counts["shared_tokens"] = self.counts.get("shared_tokens", 0) + len(tokens)
+                        self.counts["shared_tokens"] += len(tokens)
                 if fin:
                     results[joined[-1]] = self._final(new)
                 else:
@@ -242,12 +243,6 @@ class StreamingScorer:
     prompt, sent alone by its client): its state is kept (LRU, max_prefixes) and a later stream that
     starts with the same tokens, or a twin in the same round, takes a copy instead of a forward."""
     max_prefixes = 256
-
-    @property
-    def _prefixes(self) -> OrderedDict:
-        if "_prefix_states" not in self.__dict__:
-            self._prefix_states = OrderedDict()
-        return self._prefix_states
 
     @staticmethod
     def _copy(st: _Stream) -> _Stream:

@@ -233,10 +233,6 @@ class Fleet:
             if not isinstance(r, BaseException):
                 slot.stats = r
 
-    def reward_model_handle(self) -> Any:
-        rm = self.reward_model
-        return rm.handle if rm is not None and rm.live else None
-
     async def start(self, host_mesh: Any, num_hosts: int, hosts: list[int], placements: list[Placement],
                     hf_dir: str | None = None) -> None:
         """Spawn the reward model, then every generator (on `hosts[i]`, placed by `placements[i]`),
@@ -280,9 +276,6 @@ class Fleet:
                  sc.chunk_tokens)
         slot.live = True
         return slot.handle
-
-    async def spawn_reward_model(self) -> Any:
-        return await self.spawn_side(self.reward_model)
 
     def _placed(self, slot: MeshSlot, placement: dict) -> None:
         self.placement[slot.name] = placement

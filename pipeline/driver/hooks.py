@@ -11,7 +11,6 @@ are off are null objects, so the loop has no `if enabled` branches.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import Counter
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from pipeline.driver.calls import call_within
 from pipeline.driver.health import CollapseWatch
 from pipeline.driver.learning_signal import Probe, RunFacts, SignalWatch, StepSignal, dynamic_sampling, preflight
-from pipeline.driver.metrics import trained_samples
+from pipeline.driver.metrics import reward_metrics, trained_samples
 from pipeline.types import Batch
 
 log = logging.getLogger(__name__)
@@ -377,44 +376,6 @@ def rejected_metrics(gens: list[dict]) -> dict[str, float]:
         total.update(g["failed"])
     return {**{f"rejected/{k}": float(v) for k, v in sorted(total.items())},
             "rejected/recent_frac": max((g["recent_rejected_frac"] for g in gens), default=0.0)}
-
-
-def reward_metrics(gens: list[dict], job: Any) -> dict[str, float]:
-    """Reward latency after EOS (median over the generators' recent samples) and, with a reward
-    model, its stream and restart counters (its stats as of the supervisor's last probe)."""
-    lat = [x for g in gens for x in g.get("reward_latency_s", [])]
-    out = {"reward/latency_after_eos_s": statistics.median(lat) if lat else float("nan")}
-    rm = job.fleet.reward_model
-    if rm is not None:
-        rms = [g["reward_model"] for g in gens if g.get("reward_model")]
-        rs = rm.stats or {}
-        out.update({"reward_model/restarts": float(rm.incarnation),
-                    "reward_model/score_mean": statistics.fmean([r["score_mean"] for r in rms]) if rms else float("nan"),
-                    "reward_model/chunks": float(sum(r["chunks"] for r in rms)),
-                    "reward_model/resent_whole": float(sum(r["resent_whole"] for r in rms)),
-                    "reward_model/held_streams": float(rs.get("held", 0)),
-                    "reward_model/busy_frac": float(rs.get("busy_frac", 0.0)),
-                    "reward_model/ops_per_forward": float(rs.get("ops_per_forward", 0.0))})
-    t = job.fleet.teacher
-    if t is not None:
-        ts = [g["teacher"] for g in gens if g.get("teacher")]
-        st = t.stats or {}
-        tok = sum(x["tokens"] for x in ts)
-        scored = sum(x["scored"] for x in ts)
-        streamed = float(st.get("prefill_tokens", 0))
-        total = streamed + float(st.get("finish_tokens", 0)) + float(st.get("whole_tokens", 0))
-        busy = float(st.get("busy_s", 0.0))
-        out.update({"teacher/restarts": float(t.incarnation),
-                    # the share of sampled tokens that are the teacher's most likely token
-                    "teacher/top1_agreement": sum(x["top1"] for x in ts) / tok if tok else float("nan"),
-                    # seconds from EOS to the teacher's log-probs, mean over the rollouts so far
-                    "teacher/wait_after_eos_s": sum(x["wait_s"] for x in ts) / scored if scored else float("nan"),
-                    # the share of the teacher's scored tokens that it took while the rollout was generated
-                    "teacher/overlap_frac": streamed / total if total else float("nan"),
-                    "teacher/busy_s": busy,
-                    "teacher/resent_whole": float(sum(x["resent_whole"] for x in ts)),
-                    "teacher/held_streams": float(st.get("held", 0))})
-    return out
 
 
 DIFFICULTY_METRICS = ("prompts_set_aside", "prompts_retried", "prompts_aside", "prompts_skipped", "signal_share",

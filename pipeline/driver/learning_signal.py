@@ -107,11 +107,8 @@ class RunFacts:
 
     @classmethod
     def of(cls, cfg: Any, warm_steps: int) -> "RunFacts":
-        # teacher.* and trainer.distill_coef with defaults: a Config from before the teacher has neither
-        hf_dir = getattr(getattr(cfg, "teacher", None), "hf_dir", "")
-        coef = getattr(cfg.trainer, "distill_coef", 0.0) or 0.0
-        return cls(cfg.buffer.zero_signal, bool(hf_dir) and coef > 0, warm_steps, cfg.run.steps,
-                   cfg.run.no_signal_patience)
+        return cls(cfg.buffer.zero_signal, bool(cfg.teacher.hf_dir) and cfg.trainer.distill_coef > 0, warm_steps,
+                   cfg.run.steps, cfg.run.no_signal_patience)
 
 
 def dynamic_sampling(p: Probe | None, facts: RunFacts) -> tuple[bool, str]:

@@ -5,6 +5,7 @@
     sink.log_rollouts(step, trained_samples(batch, tokenizer.decode, k=2, pad_id=special.pad))   # rollouts.jsonl
     sink.close()
     plot_summary(out_dir / "metrics.jsonl", out_dir / "summary.png")
+    row.update(reward_metrics(generator_stats, job))   # reward latency, the reward model's and teacher's counters
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -213,3 +215,42 @@ def plot_summary(jsonl: str | Path, out_png: str | Path, title: str = "") -> Pat
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return out_png
+
+
+def reward_metrics(gens: list[dict], job: Any) -> dict[str, float]:
+    """Reward latency after EOS (median over the generators' recent samples) and, with a reward
+    model or a teacher, its stream and restart counters (its stats as of the supervisor's last
+    probe), the teacher's top-1 agreement, wait after EOS and overlap with generation."""
+    lat = [x for g in gens for x in g.get("reward_latency_s", [])]
+    out = {"reward/latency_after_eos_s": statistics.median(lat) if lat else float("nan")}
+    rm = job.fleet.reward_model
+    if rm is not None:
+        rms = [g["reward_model"] for g in gens if g.get("reward_model")]
+        rs = rm.stats or {}
+        out.update({"reward_model/restarts": float(rm.incarnation),
+                    "reward_model/score_mean": statistics.fmean([r["score_mean"] for r in rms]) if rms else float("nan"),
+                    "reward_model/chunks": float(sum(r["chunks"] for r in rms)),
+                    "reward_model/resent_whole": float(sum(r["resent_whole"] for r in rms)),
+                    "reward_model/held_streams": float(rs.get("held", 0)),
+                    "reward_model/busy_frac": float(rs.get("busy_frac", 0.0)),
+                    "reward_model/ops_per_forward": float(rs.get("ops_per_forward", 0.0))})
+    t = job.fleet.teacher
+    if t is not None:
+        ts = [g["teacher"] for g in gens if g.get("teacher")]
+        st = t.stats or {}
+        tok = sum(x["tokens"] for x in ts)
+        scored = sum(x["scored"] for x in ts)
+        streamed = float(st.get("prefill_tokens", 0))
+        total = streamed + float(st.get("finish_tokens", 0)) + float(st.get("whole_tokens", 0))
+        busy = float(st.get("busy_s", 0.0))
+        out.update({"teacher/restarts": float(t.incarnation),
+                    # the share of sampled tokens that are the teacher's most likely token
+                    "teacher/top1_agreement": sum(x["top1"] for x in ts) / tok if tok else float("nan"),
+                    # seconds from EOS to the teacher's log-probs, mean over the rollouts so far
+                    "teacher/wait_after_eos_s": sum(x["wait_s"] for x in ts) / scored if scored else float("nan"),
+                    # the share of the teacher's scored tokens that it took while the rollout was generated
+                    "teacher/overlap_frac": streamed / total if total else float("nan"),
+                    "teacher/busy_s": busy,
+                    "teacher/resent_whole": float(sum(x["resent_whole"] for x in ts)),
+                    "teacher/held_streams": float(st.get("held", 0))})
+    return out

@@ -272,19 +272,7 @@ class TrainCore:
                 "entropy": entropy, "entropy_coef": coef,
                 "staleness_mean": float(batch.staleness().float().mean()), **recipe, **mm, **mis, **timing,
                 **{f"grad/{k[5:]}": v for k, v in steps[0].items() if k.startswith("grad_var")},
-                **self._distill_metrics(steps[0])}
-
-    @staticmethod
-    def _distill_metrics(s: dict) -> dict[str, float]:
-        """distill/rkl: the mean reverse KL estimate log π_old − log π_teacher per loss token of the
-        batch's first minibatch, and by completion position (tokens 0-15, 16-63, 64 on)."""
-        if "distill_rkl_tokens" not in s:
-            return {}
-        out = {"distill/rkl": s["distill_rkl_sum"] / max(s["distill_rkl_tokens"], 1.0)}
-        for k, name in enumerate(("0_15", "16_63", "64_")):
-            n = s[f"distill_rkl_b{k}_tokens"]
-            out[f"distill/rkl_pos{name}"] = s[f"distill_rkl_b{k}_sum"] / n if n else float("nan")
-        return out
+                **losses.finalize_distill(steps[0])}
 
     def _ppo_step(self, batch: Batch, micro: list[tuple[torch.Tensor, float]], den: tuple[float, float],
                   prox: Proximal, first: bool) -> dict[str, float]:
