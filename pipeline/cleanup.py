@@ -107,6 +107,7 @@ def run_until_signalled(coro: Coroutine, grace_s: float) -> Any:
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
         loop.add_signal_handler(s, on_signal, s)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks, loop)
     try:
         return loop.run_until_complete(task)
     except BaseException as e:
@@ -118,10 +119,29 @@ def run_until_signalled(coro: Coroutine, grace_s: float) -> Any:
             for s in SIGNALS:
                 loop.remove_signal_handler(s)
                 signal.signal(s, previous[s])
+            loop.remove_signal_handler(signal.SIGUSR1)
             _close(loop)
         finally:
             for t in timer:  # only now: closing the loop is bounded by the grace period too
                 t.cancel()
+
+
+def dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """SIGUSR1: every pending task of the driver's loop and where it waits, to stderr (what a run
+    that makes no progress is waiting for; `kill -USR1 <pid>`)."""
+    tasks = asyncio.all_tasks(loop)
+    print(f"== SIGUSR1: {len(tasks)} pending tasks", file=sys.stderr, flush=True)
+    for t in tasks:
+        print(f"-- {t.get_name()}", file=sys.stderr)
+        aw, depth = t.get_coro(), 0
+        while aw is not None and depth < 40:  # the chain of awaits, outermost first
+            frame = getattr(aw, "cr_frame", None) or getattr(aw, "ag_frame", None) or getattr(aw, "gi_frame", None)
+            if frame is not None:
+                print(f"   {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}", file=sys.stderr)
+            elif not hasattr(aw, "cr_await"):
+                print(f"   {aw!r}"[:200], file=sys.stderr)
+            aw, depth = getattr(aw, "cr_await", None) or getattr(aw, "ag_await", None) or getattr(aw, "gi_yieldfrom", None), depth + 1
+    sys.stderr.flush()
 
 
 def _close(loop: asyncio.AbstractEventLoop) -> None:

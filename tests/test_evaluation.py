@@ -35,7 +35,7 @@ def cfg(start_timeout_s: float) -> Config:
 def test_eval_waits_for_a_restarted_generator_and_retries_one_that_failed():
     async def run():
         fleet, reports = Fleet(), []
-        ev = Evaluation(cfg(10), task=None, fleet=fleet, report=lambda i, e: reports.append((i, str(e))))
+        ev = Evaluation(cfg(10), task=None, fleet=fleet, report=lambda i, e, inc: reports.append((i, str(e))))
 
         async def work(handle):
             if handle == "dying":
@@ -50,8 +50,28 @@ def test_eval_waits_for_a_restarted_generator_and_retries_one_that_failed():
     asyncio.run(run())
 
 
+def test_a_failure_seen_after_the_restart_is_charged_to_the_old_incarnation():
+    """The supervisor can restart a generator (the same slot, incarnation + 1) before the eval's call
+    to the old one returns its error: the eval reports incarnation 0 (not the new one, which would be
+    restarted for nothing) and serves from incarnation 1 (a run once waited start_timeout_s here)."""
+    async def run():
+        fleet, reports = Fleet(), []
+        fleet.restart(0, "dying")
+        ev = Evaluation(cfg(2), task=None, fleet=fleet, report=lambda i, e, inc: reports.append((i, str(e), inc)))
+
+        async def work(handle):
+            if handle == "dying":
+                slot = fleet.slots[0]
+                slot.handle, slot.incarnation = "fresh", 1  # restarted in place, as Fleet's MeshSlot is
+                raise RuntimeError("stopped by client")
+            return f"served by {handle}"
+        assert await ev._on_a_generator(work) == "served by fresh"
+        assert reports == [(0, "stopped by client", 0)]
+    asyncio.run(run())
+
+
 def test_eval_without_any_generator_fails_after_the_restart_bound_naming_the_key():
-    ev = Evaluation(cfg(0.5), task=None, fleet=Fleet(), report=lambda i, e: None)
+    ev = Evaluation(cfg(0.5), task=None, fleet=Fleet(), report=lambda i, e, inc: None)
     with pytest.raises(RunError, match=r"no generator is serving after waiting generator.start_timeout_s=0s"):
         asyncio.run(ev._on_a_generator(lambda h: None))
 
@@ -60,7 +80,7 @@ def test_a_generator_that_keeps_failing_is_tried_twice_then_named():
     async def run():
         fleet = Fleet()
         fleet.restart(0, "bad")
-        ev = Evaluation(cfg(5), task=None, fleet=fleet, report=lambda i, e: fleet.restart(0, "bad"))
+        ev = Evaluation(cfg(5), task=None, fleet=fleet, report=lambda i, e, inc: fleet.restart(0, "bad"))
 
         async def work(handle):
             raise ValueError("prompt 3 is malformed")
@@ -103,7 +123,7 @@ def test_the_probe_after_an_eval_reuses_its_sampled_requests_and_draws_only_the_
         gen = SimpleNamespace(generate_eval=Generate())
         fleet = Fleet()
         fleet.restart(0, gen)
-        ev = Evaluation(c, task=task, fleet=fleet, report=lambda i, e: None)
+        ev = Evaluation(c, task=task, fleet=fleet, report=lambda i, e, inc: None)
         await ev.evaluate()
         evals = list(gen.generate_eval.asked)
         probe = await ev.probe(5, reuse_eval=reuse, prompts=prompts)

@@ -59,12 +59,12 @@ class Evaluation:
     the push in flight).
 
     Example:
-        ev = Evaluation(cfg, task, fleet, report=lambda i, e: None)
+        ev = Evaluation(cfg, task, fleet, report=lambda i, e, inc: None)
         await sync.wait()
         print((await ev.evaluate())["eval/reward"])
     """
 
-    def __init__(self, cfg: Config, task: Any, fleet: Fleet, report: Callable[[int, BaseException], None]):
+    def __init__(self, cfg: Config, task: Any, fleet: Fleet, report: Callable[[int, BaseException, int], None]):
         self.cfg, self.task, self.fleet, self.report = cfg, task, fleet, report
         self._sampled: list[float | None] = []  # the last evaluate's sampled rewards, in request order
 
@@ -133,12 +133,13 @@ class Evaluation:
         failed: set[tuple[int, int]] = set()  # (generator, incarnation): a restarted one is tried again
         for _ in range(2):
             for i, slot in await self._serving(failed):  # a generator dying meanwhile: the next
+                inc = slot.incarnation  # read now: the supervisor may restart it while `work` waits
                 try:
                     return await work(slot.handle)
                 except Exception as e:
                     log.warning("eval on generator%d failed (%s); trying the next", i, e)
-                    self.report(i, e)
-                    failed.add((i, slot.incarnation))
+                    self.report(i, e, inc)
+                    failed.add((i, inc))
                     last = e
         raise RunError(f"evaluate: every serving generator failed it, twice; the last error: {last}") from last
 

@@ -60,9 +60,9 @@ class RestartWiring:
             name = job.fleet.attach_call(slot)
             res = await asyncio.gather(*[asyncio.wait_for(getattr(s.handle, name).call_one(h), 60)
                                          for _, s in live], return_exceptions=True)
-            for (i, _), r in zip(live, res):
+            for (i, s), inc, r in zip(live, [s.incarnation for _, s in live], res):
                 if isinstance(r, BaseException):
-                    job.supervisor.report(i, f"attaching the restarted {slot.label} failed: {r}")
+                    job.supervisor.report(i, f"attaching the restarted {slot.label} failed: {r}", inc)
             return {}
         i = job.fleet.generators.index(slot)
         path = Path(job.cfg.run.out_dir) / "respawn" / slot.name
