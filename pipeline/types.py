@@ -53,6 +53,19 @@ class PromptItem:
         return {**dict(self.columns), "answer": self.answer, "prompt": p}
 
 
+class Scored(str):
+    """An eval completion (its text) whose environment scored the episode (OpenEnv): `reward` is that
+    score, used instead of the task's reward() (pipeline/driver/evaluation.py)."""
+
+    def __new__(cls, text: str, reward: float):
+        obj = super().__new__(cls, text)
+        obj.reward = reward
+        return obj
+
+    def __reduce__(self):  # crosses actor boundaries with its reward
+        return (Scored, (str(self), self.reward))
+
+
 @dataclass(frozen=True)
 class PromptGroup:
     """A prompt admitted by the buffer; the generators sample it `group_size` times."""
@@ -90,6 +103,8 @@ class Rollout:
     teacher_logprobs: tuple[float, ...] | None = None
     """With a teacher (on-policy distillation): its log-prob of each completion token, 0 on
     environment tokens; None without one."""
+    turn_rewards: tuple[float, ...] = ()
+    """An environment that scores its episodes (OpenEnv): the reward each step returned; () otherwise."""
 
     def validate(self) -> None:
         """Raise ValueError naming what is wrong; used by every receiver before it stores."""

@@ -10,6 +10,74 @@ from pipeline.config.errors import check
 
 
 @dataclass
+class OpenEnvConfig:
+    """task.openenv.*: an OpenEnv environment as the task (pipeline/tasks/openenv.py, docs/openenv.md), with
+    task.name=pipeline.tasks.openenv. One of `env` (in-process) or `url` (served) names it."""
+
+    env: str = ""
+    """Dotted path of an OpenEnv `Environment` subclass (or a factory of one), made once per episode in the
+    generator's process and driven on its environment workers. With serve=local it is also what the run's
+    own server serves."""
+    url: str = ""
+    """Base URL of a served environment (http://host:port); each episode is one WebSocket session on its /ws
+    route. Set by the run itself with serve=local."""
+    serve: str = "none"
+    """none: `env` runs in-process, or `url` is an existing server. local: the run serves `env` itself
+    (create_app + uvicorn on a free loopback port, its own process), restarts it when it dies (at most
+    task.openenv.max_restarts times) and stops it with the run; episodes go over the WebSocket."""
+    action: str = ""
+    """How a completion becomes the environment's Action: empty: the default (the action's one required
+    string field gets the completion's text; an MCP environment's CallToolAction is parsed from a
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in it); a field name: that field gets the
+    text; a dotted path: `adapter(text: str, schema: dict) -> dict`, the action's fields."""
+    observation: str = ""
+    """How an observation becomes the text the model sees: empty: the default (its one string field, or
+    a field named prompt/text/message/content/output, else its fields as JSON); a field name: that field;
+    a dotted path: `render(observation: dict) -> str`."""
+    reward: str = "last"
+    """The episode's reward from the observations' rewards: last (the last one the episode returned) or
+    sum (of all of them). Every step's reward is kept with the rollout (its turn_rewards)."""
+    system: str = ""
+    """A system message sent before the first observation (the action format, the tools); with
+    task.openenv.chat=false it is written before it."""
+    chat: bool = True
+    """true: the first observation is a user message rendered by the checkpoint's chat template, later ones
+    user turns; false: plain text prompts (a base or tiny model)."""
+    episodes: int = 0
+    """Distinct training episodes (seeds) before the stream repeats them in a new shuffled epoch; 0: an
+    endless stream of fresh seeds. Held-out episodes (task.eval_prompts of them) use seeds no training
+    episode uses."""
+    demonstration: str = ""
+    """Dotted path of `demo(first_observation: str, seed: int) -> list[str]`, an episode's ideal turns
+    (model turn, observation, model turn, ...) for the warm start (run.warm_start_steps); empty: none."""
+    connect_timeout_s: float = 20.0
+    """Seconds an episode waits for a served environment to accept its session (a restarting local server
+    included); past it the episode fails as env_unreachable and its group goes back."""
+    max_restarts: int = 3
+    """serve=local: restarts of a dead server before the run stops naming it (0..100)."""
+    max_concurrent: int = 64
+    """serve=local: the server's concurrent sessions (max_concurrent_envs); at least the episodes in
+    flight, 2 x generator.concurrency x generators."""
+
+    def __post_init__(self) -> None:
+        check(self.serve in ("none", "local"), "task.openenv.serve", self.serve, "none or local")
+        check(not self.env or "." in self.env, "task.openenv.env", self.env, "a dotted path like 'pkg.module.MyEnvironment'")
+        check(not (self.serve == "local" and not self.env), "task.openenv.serve", self.serve,
+              "local needs task.openenv.env (the environment the run serves)")
+        check(self.serve == "local" or not (self.env and self.url), "task.openenv.url", self.url,
+              "empty when task.openenv.env runs in-process (one of the two)")
+        check(not self.url or self.url.startswith(("http://", "https://")), "task.openenv.url", self.url,
+              "http://host:port")
+        check(self.reward in ("last", "sum"), "task.openenv.reward", self.reward, "last or sum")
+        check(not self.demonstration or "." in self.demonstration, "task.openenv.demonstration", self.demonstration,
+              "a dotted path like 'pkg.module.demo', or empty")
+        check(self.episodes >= 0, "task.openenv.episodes", self.episodes, ">= 0")
+        check(self.connect_timeout_s > 0, "task.openenv.connect_timeout_s", self.connect_timeout_s, "> 0")
+        check(0 <= self.max_restarts <= 100, "task.openenv.max_restarts", self.max_restarts, "0..100")
+        check(1 <= self.max_concurrent <= 100000, "task.openenv.max_concurrent", self.max_concurrent, "1..100000")
+
+
+@dataclass
 class TaskConfig:
     """task.*: the task plug-in, its data files, reward and environment limits."""
 
@@ -90,6 +158,8 @@ class TaskConfig:
     """pipeline.tasks.reasoning_gym: a name in reasoning_gym.utils.SYSTEM_PROMPTS (default, simple, direct,
     DeepSeekZero, chain_of_draft) sent as a system message before each question (with
     task.apply_chat_template=false: written before it); empty: none, the user turn alone states the format."""
+    openenv: OpenEnvConfig = field(default_factory=OpenEnvConfig)
+    """pipeline.tasks.openenv: the OpenEnv environment (task.openenv.*)."""
     rg_answer_format: str = "tags"
     """pipeline.tasks.reasoning_gym: how a completion states its answer, which the prompt asks for and the
     reward reads. tags: between <answer> and </answer> (reasoning-gym's own extract_answer); boxed: in

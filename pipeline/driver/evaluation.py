@@ -22,7 +22,8 @@ from pipeline.config import Config
 from pipeline.driver.calls import RunError, call_within
 from pipeline.driver.fleet import Fleet
 from pipeline.generator.rewards import RewardScorer
-from pipeline.tasks import RewardRejected, take
+from pipeline.tasks import RewardRejected, check_reward, take
+from pipeline.types import Scored
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,8 @@ class Evaluation:
             if completion is None:
                 return None
             try:
+                if isinstance(completion, Scored):  # its environment scored the episode (OpenEnv)
+                    return check_reward(completion.reward)
                 return await scorer.score(prompt, completion)
             except RewardRejected as e:
                 rejected[e.reason] += 1

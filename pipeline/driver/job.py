@@ -82,6 +82,19 @@ class Job:
         self.version = 0
         self.requeued_groups = 0
         self.eval_curve: list[tuple[int, float, float]] = []  # (step, sampled, greedy); kept in checkpoints
+        self.env_server = None  # task.openenv.serve=local: the run's OpenEnv server, up before the task opens
+        if cfg.task.openenv.serve == "local":
+            from pipeline.tasks.openenv import LocalServer
+            self.env_server = LocalServer(self.cfg.task, cfg.run.out_dir)
+            cfg.task.openenv.url = self.env_server.start()  # TaskError if it does not serve (exit 2)
+        try:
+            self._open(cfg)
+        except BaseException:
+            if self.env_server is not None:
+                self.env_server.stop()
+            raise
+
+    def _open(self, cfg: Config) -> None:
         self.task = open_task(cfg.task, evaluate=bool(cfg.run.eval_every and cfg.task.eval_prompts))  # TaskError
         self.checkpoints = Checkpoints(cfg)  # the user's config (before sync_mode_config) is what a resume diffs
         if cfg.reward_model.path:  # before any mesh starts: a scorer that cannot read our tokens is a config error
@@ -132,6 +145,9 @@ class Job:
     async def start(self) -> None:
         cfg = self.cfg
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.generator.kv_cache_gib))
+        if self.env_server is not None:  # a dead server is restarted; past its budget the run stops
+            self.env_watch = asyncio.create_task(self.env_server.watch(lambda why: self.supervisor.report(None, why)),
+                                                 name="openenv-server")
         host = self.host or this_host()  # an attached torchrun host mesh has a 'hosts' dim; this_host() none
         num_hosts = host.sizes.get("hosts", 1)
         # Trainer rank 0, the buffer and this controller's meshes start on host 0.

@@ -68,3 +68,14 @@ async def shut_down(job: Any, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
     await settle({**{f"{s.label} stop": s.stop(closed.get(i, False)) for i, s in enumerate(job.fleet.generators)},
                   **{f"{s.label} stop": s.stop() for s in job.fleet.sides()},
                   **{f"proc mesh {k} stop": p.stop() for k, p in enumerate(procs)}}, deadline)
+    stop_env_server(job)
+
+
+def stop_env_server(job: Any) -> None:
+    """The run's own OpenEnv server (task.openenv.serve=local), after the generators that use it."""
+    srv, job.env_server = getattr(job, "env_server", None), None
+    if srv is not None:
+        try:
+            srv.stop()
+        except Exception as e:
+            log.warning("stopping the OpenEnv server failed: %s", e)

@@ -59,13 +59,14 @@ from typing import Awaitable, Callable
 
 from pipeline.config import Config
 from pipeline.generator.engine import Engine, Fault, GeneratorBroken
+from pipeline.generator.envs import env_scored
 from pipeline.generator.episode import Episodes
 from pipeline.generator.gate import UpdateGate
 from pipeline.generator.rewards import RolloutStats
 from pipeline.generator.scheduler import StageScheduler
 from pipeline.generator.trajectory import RequestError, Trajectory, WorkSource, check_request
 from pipeline.tasks import RewardRejected
-from pipeline.types import Prompt, PromptGroup, PromptItem
+from pipeline.types import Prompt, PromptGroup, PromptItem, Scored
 
 __all__ = ["GeneratorCore"]
 
@@ -187,8 +188,15 @@ class GeneratorCore:
         async def one(i: int, item: PromptItem) -> str:
             async with limit:
                 traj = Trajectory(PromptGroup(-1, item, 1, self.version), 0, eps.prompt_tokens(item.prompt))
-                await eps.play(traj, lambda t: turn(i, t), eps.eval_env_calls)
-                return eps.transcript(traj)  # as the reward reads a training rollout
+                try:
+                    await eps.play(traj, lambda t: turn(i, t), eps.eval_env_calls)
+                    text = eps.transcript(traj)  # as the reward reads a training rollout
+                    if env_scored(traj.env):  # an environment that scored its episode (OpenEnv)
+                        return Scored(text, await eps.env_reward(traj))
+                    return text
+                finally:
+                    if traj.env is not None:
+                        await eps.close_env(traj, eps.eval_env_calls)
 
         async def turn(i: int, t: Trajectory) -> str:  # a multi-turn task's eval runs its environment too
             room = eps.turn_room(t, max_new_tokens)

@@ -41,7 +41,18 @@ Limits per rollout (task section): `max_turns` model turns, `max_total_tokens` c
 `max_obs_tokens` (cut, counted as obs_truncated). The reward is the task's `reward(prompt,
 transcript)` of the whole transcript (model turns and observations as text, special tokens and chat
 frames left out: `?:148;148` in both layouts above) once the episode ends:
-group advantages use this final reward; there are no per-turn rewards.
+group advantages use this final reward; there are no per-turn advantages.
+
+Optional, for an environment that scores its own episodes (pipeline/tasks/openenv.py's Episode):
+
+    def reward(self) -> float      # the episode's reward, used instead of the task's reward()
+    def close(self) -> None        # called once its episode is over (scored, rejected or failed; not
+                                   # when carried over), on a worker thread
+    turn_rewards: list[float]      # each step's reward, kept with the rollout (Rollout.turn_rewards)
+
+Such an environment gets every model turn, the last one included: when a limit (task.max_turns,
+task.max_total_tokens) ends the episode, `step` is still called with the last turn (its reward
+counts) and the observation it returns is dropped.
 
 Faults stay with the rollout: `env(item)` or `step` that raises, or runs past `task.env_timeout_s`
 (both run on worker threads off the actor's event loop), rejects the sample as env_raised or
@@ -70,7 +81,7 @@ from pipeline.types import ENV_VERSION, PromptItem
 
 __all__ = ["Env", "EnvFactory", "ENV_VERSION", "ENV_REASONS"]
 
-ENV_REASONS = ("env_raised", "env_timeout", "env_bad_observation")
+ENV_REASONS = ("env_raised", "env_timeout", "env_bad_observation", "env_unreachable")
 
 
 class Env(Protocol):
@@ -79,3 +90,15 @@ class Env(Protocol):
 
 class EnvFactory(Protocol):
     def __call__(self, item: PromptItem) -> Env: ...
+
+
+def env_scored(env: object) -> bool:
+    """Whether an environment scores its own episodes (a `reward()` method: OpenEnv's observations
+    carry the reward, pipeline/tasks/openenv.py); then the task's text reward is not called."""
+    return env is not None and callable(getattr(env, "reward", None))
+
+
+def turn_rewards(env: object) -> tuple[float, ...]:
+    """The rewards an environment gave each step (its `turn_rewards`, None as NaN-free 0), else ()."""
+    got = getattr(env, "turn_rewards", None) if env is not None else None
+    return tuple(0.0 if r is None else float(r) for r in got) if got else ()

@@ -46,7 +46,8 @@ from pipeline.generator.reward_client import RewardModelClient
 from pipeline.generator.rewards import RewardScorer, RolloutStats
 from pipeline.generator.trajectory import (RequestError, Trajectory, WorkSource, check_prompt, check_request,
                                            spans_to_versions)
-from pipeline.tasks import RewardRejected, load_task
+from pipeline.generator.envs import env_scored, turn_rewards
+from pipeline.tasks import RewardRejected, check_reward, load_task
 from pipeline.tokens import ObservationFrame, PromptError, encode_completion, encode_prompt, observation_frame
 from pipeline.types import Prompt, PromptGroup
 
@@ -188,9 +189,11 @@ class Episodes:
             traj.turns += 1
             # room after an observation of at least one token for one more model token
             left = min(tc.max_total_tokens - len(traj.tokens), self.g.max_model_len - len(traj.context()))
-            if traj.turns >= tc.max_turns or left < 2:
-                return finish
             text = self.engine.tok.decode(traj.turn_tokens(), skip_special_tokens=True)
+            if traj.turns >= tc.max_turns or left < 2:
+                if env_scored(traj.env):  # its reward needs the last turn too; what it shows next is dropped
+                    await calls.call(traj.env.step, text, kind="env")
+                return finish
             obs = await calls.call(traj.env.step, text, kind="env")
             if obs is None:
                 return finish
@@ -293,7 +296,8 @@ class Episodes:
             if self.dead(gid):
                 return  # a sibling was rejected while this one was scored
             rollout = traj.to_rollout(completion, finish, reward, self.gid,
-                                      teacher_logprobs=res[1] if self.teacher is not None else None)
+                                      teacher_logprobs=res[1] if self.teacher is not None else None,
+                                      turn_rewards=turn_rewards(traj.env))
             self.stats.rollouts += 1
             self.stats.turns += traj.turns
             self.stats.accept()
@@ -326,16 +330,40 @@ class Episodes:
         """The task's reward(); with a reward model, reward_model.weight * its score of the whole
         rollout + reward_model.task_weight * reward() (computed at once). RewardRejected if unusable."""
         rc = self.cfg.reward_model
+        own = self.env_reward(traj) if env_scored(traj.env) else self.scorer.score(traj.group.item.prompt, completion)
         if not rc.path:
-            return await self.scorer.score(traj.group.item.prompt, completion)
+            return await own
         parts = [self.rm.finish(traj.key, traj.context())]
         if rc.task_weight:
-            parts.append(self.scorer.score(traj.group.item.prompt, completion))
+            parts.append(own)
+        else:
+            own.close()
         res = await asyncio.gather(*parts, return_exceptions=True)
         for r in res:
             if isinstance(r, BaseException):
                 raise r
         return rc.weight * res[0] + (rc.task_weight * res[1] if rc.task_weight else 0.0)
+
+    async def env_reward(self, traj: Trajectory) -> float:
+        """The episode's reward as its environment scored it (an Env with reward(), envs.py), checked."""
+        try:
+            value = traj.env.reward()
+        except RewardRejected:
+            raise
+        except Exception as e:
+            raise RewardRejected("reward_raised", f"the environment's reward(): {type(e).__name__}: {e}") from e
+        return check_reward(value)
+
+    async def close_env(self, traj: Trajectory, calls: RewardScorer | None = None) -> None:
+        """End a finished episode's environment (its close(), on a worker thread, bounded by
+        task.env_timeout_s; a failure is logged, never the rollout's). Not for a carried-over one."""
+        env, traj.env = traj.env, None
+        if env is None or not callable(getattr(env, "close", None)):
+            return
+        try:
+            await (calls or self.env_calls).call(env.close, kind="env")
+        except Exception as e:
+            log.warning("generator %d: closing the environment of %s failed: %s", self.gid, traj.key, e)
 
     async def teacher_logprobs(self, traj: Trajectory, eos: float) -> tuple[float, ...]:
         """The teacher's log-prob of each completion token (0 on environment tokens), from its stream

@@ -167,6 +167,7 @@ class StageScheduler:
 
     async def _drive(self, traj: Trajectory) -> None:
         """One trajectory in its slot; then, the slot freed, carry it over or send it."""
+        finish = None
         try:
             try:
                 finish = await self.episodes.generate(traj, self)
@@ -182,6 +183,8 @@ class StageScheduler:
             await self.episodes.failed(traj, e, self)
         finally:
             self.episodes.forget(traj)
+            if finish != SAVED and traj.env is not None:  # its episode is over (a carried one goes on)
+                await self.episodes.close_env(traj)
 
     async def close(self) -> None:
         """Stop admitting and cancel every trajectory and the admission loop (shutdown)."""

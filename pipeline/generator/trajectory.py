@@ -168,11 +168,12 @@ class Trajectory:
         return keep + self.tokens[at:]
 
     def to_rollout(self, completion: str, finish_reason: str, reward: float, generator_id: int,
-                   teacher_logprobs: tuple[float, ...] | None = None) -> Rollout:
+                   teacher_logprobs: tuple[float, ...] | None = None, turn_rewards: tuple[float, ...] = ()) -> Rollout:
         r = Rollout(group_id=self.group.group_id, sample_idx=self.sample_idx, prompt=self.group.item.prompt,
                     prompt_tokens=self.prompt_tokens, completion=completion, completion_tokens=tuple(self.tokens),
                     logprobs=tuple(self.logprobs), versions=tuple(self.versions), finish_reason=finish_reason,
                     reward=reward, generator_id=generator_id, reprefill_tokens=self.reprefill_tokens,
-                    started_at=self.started_at, finished_at=time.monotonic(), teacher_logprobs=teacher_logprobs)
+                    started_at=self.started_at, finished_at=time.monotonic(), teacher_logprobs=teacher_logprobs,
+                    turn_rewards=turn_rewards)
         r.validate()
         return r

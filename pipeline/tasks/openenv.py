@@ -1,0 +1,590 @@
+"""OpenEnv environments as a task: `task.name=pipeline.tasks.openenv` with `task.openenv.*` (docs/openenv.md).
+
+An OpenEnv `Environment` (the `openenv` package: `reset(seed) -> Observation`, `step(Action) ->
+Observation`, pydantic models whose observations carry `reward` and `done`) runs in-process
+(`task.openenv.env`, made per episode on the generator's environment workers) or served
+(`task.openenv.url`, or `serve=local` for a server the run starts, pipeline/tasks/openenv_server.py);
+a served episode is one WebSocket session on the server's /ws route.
+
+What maps to what:
+
+    prompts(seed, split)  one item per episode seed: train seeds 2i, held-out 2i+1 (offset by
+                          task.seed), so held-out episodes are reproducible and never trained on.
+                          The item's prompt is the reset observation rendered (`observation`),
+                          after task.openenv.system, as a chat user turn (chat=true) or plain text.
+    env(item)             an Episode: a fresh environment (or session), reset(seed=the item's seed).
+                          Its first observation must be the item's prompt again (a group's samples
+                          share that prompt): an environment that is not deterministic in its seed
+                          fails the episode (env_bad_observation), never trains on a wrong prompt.
+    Episode.step(turn)    the completion's text -> Action (`action`) -> step -> the observation's
+                          text, shown as the next user turn; None once `done` (the episode ends).
+                          A completion that does not parse as an action (no tool call) gets an
+                          `error: ...` observation and reward 0 without reaching the environment.
+    Episode.reward()      the last reward the episode returned, or their sum (task.openenv.reward);
+                          the task's text reward is not used. Every step's reward is the rollout's
+                          `turn_rewards`.
+
+Faults stay with the episode: a server that refuses, dies, stalls past task.env_timeout_s or
+answers with something that is not an observation fails that episode alone (env_unreachable,
+env_raised, env_timeout, env_bad_observation), its group goes back to the buffer, and the run goes
+on (pipeline/generator/episode.py). Sessions are closed on every exit path.
+
+Example (a served environment):
+
+    python -m pipeline.run --config configs/tiny.yaml task.name=pipeline.tasks.openenv \\
+        task.openenv.env=examples.envs.keyvault.KeyVaultEnvironment task.openenv.serve=local task.openenv.chat=false
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import time
+import typing
+import uuid
+from typing import Any, Callable, Iterator
+
+from pipeline.config import TaskConfig
+from pipeline.tasks import RewardRejected, TaskError, _resolve, check_reward
+from pipeline.types import PromptItem
+
+__all__ = ["from_config", "OpenEnvTask", "Episode", "seed_of", "parse_tool_call", "EnvUnreachable"]
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+OBS_FIELDS = ("prompt", "text", "message", "content", "output", "question", "result")
+TEXT_FIELDS = ("message", "text", "content", "response", "answer", "action", "command", "code")
+RESERVED = ("reward", "done", "metadata")
+
+
+class EnvUnreachable(RewardRejected):
+    """A served environment that refused a session within task.openenv.connect_timeout_s, or dropped it."""
+
+    def __init__(self, message: str):
+        super().__init__("env_unreachable", message)
+
+    def __reduce__(self):
+        return (type(self), (self.message,))
+
+
+def seed_of(base: int, split: str, i: int) -> int:
+    """Episode i's seed: train 2i, held-out 2i + 1, offset by the run's task.seed (disjoint splits)."""
+    return base * 1_000_000_007 + 2 * i + (1 if split == "eval" else 0)
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """The last `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` of a completion (the Hermes /
+    Qwen tool-call format) as a CallToolAction payload, or None without one that parses."""
+    for m in reversed(TOOL_CALL.findall(text)):
+        try:
+            call = json.loads(m)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            args = call.get("arguments", call.get("parameters", {}))
+            return {"type": "call_tool", "tool_name": call["name"], "arguments": args if isinstance(args, dict) else {}}
+    return None
+
+
+def _is_tool_schema(schema: dict) -> bool:
+    props = schema.get("properties", {})
+    return "tool_name" in props and "arguments" in props
+
+
+def _text_field(schema: dict, name: str) -> str:
+    """The action field that gets the completion's text: its one required str field, else a usual name."""
+    props = schema.get("properties", {})
+    strs = [k for k, v in props.items() if v.get("type") == "string" and k not in ("type",)]
+    required = [k for k in schema.get("required", []) if k in strs]
+    if len(required) == 1:
+        return required[0]
+    if not required:
+        for k in TEXT_FIELDS:
+            if k in strs:
+                return k
+        if len(strs) == 1:
+            return strs[0]
+    raise TaskError(f"task.openenv.action: cannot tell which field of {name}'s action gets the completion "
+                    f"(string fields: {', '.join(strs) or 'none'}; required: {', '.join(schema.get('required', [])) or 'none'}); "
+                    "name it (task.openenv.action=<field>) or give an adapter (a dotted path)")
+
+
+def render_observation(obs: dict) -> str:
+    """The default text of an observation (its fields but reward/done/metadata): an MCP tool's result or
+    error, the tools of a tool listing, a lone string field, a usual field name, else JSON."""
+    fields = {k: v for k, v in obs.items() if k not in RESERVED}
+    if "tool_name" in fields and ("result" in fields or "error" in fields):
+        if fields.get("error"):
+            err = fields["error"]
+            return f"error: {err.get('message', err) if isinstance(err, dict) else err}"
+        return _tool_result_text(fields.get("result"))
+    if "tools" in fields and isinstance(fields["tools"], list):
+        return tools_text(fields["tools"])
+    strs = {k: v for k, v in fields.items() if isinstance(v, str)}
+    if len(strs) == 1:
+        return next(iter(strs.values()))
+    for k in OBS_FIELDS:
+        if isinstance(fields.get(k), str):
+            return fields[k]
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+def _tool_result_text(result: Any) -> str:
+    """A tool's result as text: MCP content blocks' text joined, `data`/structured content, else JSON."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, dict):
+        if result.get("data") is not None and not isinstance(result["data"], (dict, list)):
+            return str(result["data"])
+        blocks = result.get("content")
+        if isinstance(blocks, list):
+            texts = [b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text"]
+            if texts:
+                return "\n".join(texts)
+        for k in ("structured_content", "structuredContent"):
+            if result.get(k):
+                sc = result[k]
+                return str(sc.get("result", sc)) if isinstance(sc, dict) else str(sc)
+    return json.dumps(result, default=str)
+
+
+def tools_text(tools: list) -> str:
+    lines = []
+    for t in tools:
+        t = t if isinstance(t, dict) else t.model_dump()
+        params = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in t.get("input_schema", {}).get("properties", {}).items())
+        lines.append(f"- {t['name']}({params}): {t.get('description', '').strip()}")
+    return ("Tools (call one as <tool_call>{\"name\": \"<tool>\", \"arguments\": {...}}</tool_call>):\n"
+            + "\n".join(lines))
+
+
+def _action_class(env_cls: Any) -> Any:
+    """The Action class an in-process environment's step takes: MCP environments' CallToolAction, the
+    annotation of step's `action`, or the first type argument of its Environment[Act, Obs, State] base."""
+    from openenv.core.env_server import Action, CallToolAction
+
+    try:
+        from openenv.core.env_server import MCPEnvironment
+        if MCPEnvironment is not None and isinstance(env_cls, type) and issubclass(env_cls, MCPEnvironment):
+            return CallToolAction
+    except ImportError:
+        pass
+    cls = env_cls if isinstance(env_cls, type) else type(env_cls)
+    try:
+        hint = typing.get_type_hints(cls.step).get("action")
+    except Exception:
+        hint = None
+    if isinstance(hint, type) and issubclass(hint, Action) and hint is not Action:
+        return hint
+    for base in getattr(cls, "__orig_bases__", ()):
+        for arg in typing.get_args(base):
+            if isinstance(arg, type) and issubclass(arg, Action):
+                return arg
+    raise TaskError(f"task.openenv.env: cannot tell the Action class of {cls.__name__}: annotate its step "
+                    "(def step(self, action: MyAction)) or subclass Environment[MyAction, MyObservation, State]")
+
+
+def _environment_class(path: str) -> Any:
+    try:
+        obj = _resolve(path)
+    except TaskError as e:
+        raise TaskError(f"task.openenv.env={path!r}: {e}") from None
+    from openenv.core.env_server import Environment
+    if isinstance(obj, type) and not issubclass(obj, Environment):
+        raise TaskError(f"task.openenv.env={path!r} is {obj.__name__}, not an openenv Environment subclass")
+    if not callable(obj):
+        raise TaskError(f"task.openenv.env={path!r} is not a class or factory of an openenv Environment")
+    return obj
+
+
+# ---------------------------------------------------------------------- sessions
+
+
+class InProcess:
+    """One environment instance in this process; observations as their wire form (serialize_observation)."""
+
+    def __init__(self, factory: Callable[[], Any], action_cls: Any):
+        self.env, self.action_cls = factory(), action_cls
+
+    def reset(self, seed: int) -> dict:
+        from openenv.core.env_server import serialize_observation
+        return serialize_observation(self.env.reset(seed=seed, episode_id=uuid.uuid4().hex))
+
+    def step(self, payload: dict) -> dict | str:
+        """The observation; a str: the action did not validate (the model's error, shown to it)."""
+        from openenv.core.env_server import deserialize_action, serialize_observation
+        from pydantic import ValidationError
+        try:
+            action = deserialize_action(payload, self.action_cls)
+        except (ValidationError, ValueError) as e:
+            return f"error: invalid action: {_first_line(e)}"
+        return serialize_observation(self.env.step(action))
+
+    def close(self) -> None:
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            close()
+
+
+class Served:
+    """One WebSocket session on a served environment's /ws route (the protocol of openenv's EnvClient:
+    {"type": "reset"|"step"|"close", "data": ...} -> {"type": "observation", "data": {...}})."""
+
+    def __init__(self, url: str, connect_timeout_s: float, timeout_s: float):
+        from websockets.sync.client import connect
+
+        ws_url = re.sub(r"^http", "ws", url.rstrip("/")) + "/ws"
+        self.timeout_s, deadline, last = timeout_s, time.monotonic() + connect_timeout_s, None
+        while True:  # a restarting local server refuses for a second or two
+            try:
+                self.ws = connect(ws_url, open_timeout=max(1.0, min(5.0, deadline - time.monotonic())),
+                                  max_size=64 * 1024 * 1024, proxy=None)
+                break
+            except Exception as e:
+                last = e
+                if time.monotonic() >= deadline:
+                    raise EnvUnreachable(f"{ws_url} did not accept a session within task.openenv.connect_timeout_s="
+                                         f"{connect_timeout_s:g}s: {type(e).__name__}: {_first_line(e)}") from None
+                time.sleep(0.2)
+        del last
+
+    def _call(self, message: dict) -> dict:
+        from websockets.exceptions import ConnectionClosed
+        try:
+            self.ws.send(json.dumps(message))
+            raw = self.ws.recv(timeout=self.timeout_s)
+        except ConnectionClosed as e:
+            raise EnvUnreachable(f"the server closed the session during {message['type']}: {_first_line(e)}") from None
+        except TimeoutError:
+            raise RewardRejected("env_timeout", f"the server did not answer {message['type']} within "
+                                 f"task.env_timeout_s={self.timeout_s:g}s") from None
+        try:
+            reply = json.loads(raw)
+        except (TypeError, json.JSONDecodeError):
+            raise RewardRejected("env_bad_observation", f"the server answered {str(raw)[:120]!r}, not JSON") from None
+        if not isinstance(reply, dict):
+            raise RewardRejected("env_bad_observation", f"the server answered {str(raw)[:120]!r}, not a message")
+        return reply
+
+    def reset(self, seed: int) -> dict:
+        reply = self._call({"type": "reset", "data": {"seed": seed, "episode_id": uuid.uuid4().hex}})
+        if reply.get("type") == "error":
+            code = (reply.get("data") or {}).get("code")
+            if code in ("CAPACITY_REACHED", "SESSION_ERROR", "FACTORY_ERROR"):
+                raise EnvUnreachable(f"the server refused the session: {_error_text(reply)}")
+            raise RuntimeError(f"reset failed on the server: {_error_text(reply)}")
+        return reply.get("data")
+
+    def step(self, payload: dict) -> dict | str:
+        reply = self._call({"type": "step", "data": payload})
+        if reply.get("type") == "error":
+            if reply.get("data", {}).get("code") == "VALIDATION_ERROR":
+                return f"error: invalid action: {_error_text(reply)}"
+            raise RuntimeError(f"step failed on the server: {_error_text(reply)}")
+        return reply.get("data")
+
+    def close(self) -> None:
+        try:
+            self.ws.send(json.dumps({"type": "close"}))
+        except Exception:
+            pass
+        self.ws.close()
+
+
+def _error_text(reply: dict) -> str:
+    data = reply.get("data") or {}
+    return f"{data.get('message', data)} ({data.get('code', 'no code')})"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _checked(obs: Any, what: str) -> tuple[dict, float | None, bool]:
+    """(observation fields, reward, done) of a wire-form observation; RewardRejected (env_bad_observation,
+    or the reward's own reason) if it is not one."""
+    if not isinstance(obs, dict) or not isinstance(obs.get("observation", {}), dict):
+        raise RewardRejected("env_bad_observation", f"{what} returned {str(obs)[:120]!r}, not an observation")
+    reward, done = obs.get("reward"), obs.get("done", False)
+    if reward is not None:
+        if isinstance(reward, bool):
+            reward = float(reward)
+        try:
+            reward = check_reward(reward)
+        except RewardRejected as e:
+            raise RewardRejected(e.reason, f"{what}: the observation's reward {e.message}") from None
+    if not isinstance(done, bool):
+        raise RewardRejected("env_bad_observation", f"{what} returned done={done!r}, not a bool")
+    return obs.get("observation", {}), reward, done
+
+
+# ---------------------------------------------------------------------- the task
+
+
+class OpenEnvTask:
+    """The task: prompts, the episodes' environments; see the module docstring."""
+
+    def __init__(self, tc: TaskConfig):
+        self.tc, self.oc = tc, tc.openenv
+        oc = self.oc
+        if not oc.env and not oc.url:
+            raise TaskError("task.name=pipeline.tasks.openenv needs task.openenv.env (an Environment class) or "
+                            "task.openenv.url (a served one)")
+        self.served = bool(oc.url)
+        self.factory = None if self.served else _environment_class(oc.env)
+        self.action_cls = None if self.served else _action_class(self.factory)
+        schema = (self.action_cls.model_json_schema() if self.action_cls is not None else self._schema()["action"])
+        self.tools = _is_tool_schema(schema)
+        self.name = oc.env or oc.url
+        if oc.action and "." in oc.action:
+            adapter = _resolve(oc.action)
+            self.to_action = lambda text: adapter(text, schema)
+        elif self.tools and not oc.action:
+            self.to_action = parse_tool_call
+        else:
+            field = oc.action or _text_field(schema, self.name)
+            if field not in schema.get("properties", {}):
+                raise TaskError(f"task.openenv.action={field!r}: the action has no such field (fields: "
+                                f"{', '.join(schema.get('properties', {}))})")
+            self.to_action = lambda text: {field: text}
+        if oc.observation and "." in oc.observation:
+            self.render = _resolve(oc.observation)
+        elif oc.observation:
+            key = oc.observation
+            self.render = lambda obs: obs[key] if isinstance(obs.get(key), str) else json.dumps(obs.get(key), default=str)
+        else:
+            self.render = render_observation
+        self.demo = _resolve(oc.demonstration) if oc.demonstration else None
+        if not self.demo:  # the warm start finds no demonstration() (load_task reads the attribute)
+            self.demonstration = None
+        self._tools_text: str | None = None
+        self._lock = threading.Lock()
+
+    def _schema(self) -> dict:
+        import urllib.request
+        url = self.oc.url.rstrip("/") + "/schema"
+        deadline = time.monotonic() + self.oc.connect_timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    schema = json.loads(r.read())
+                break
+            except Exception as e:
+                if time.monotonic() >= deadline:
+                    raise TaskError(f"task.openenv.url={self.oc.url!r}: {url} did not answer within "
+                                    f"task.openenv.connect_timeout_s={self.oc.connect_timeout_s:g}s: {_first_line(e)}") from None
+                time.sleep(0.3)
+        if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
+            raise TaskError(f"task.openenv.url={self.oc.url!r}: {url} is not an OpenEnv server's schema")
+        return schema
+
+    def session(self) -> InProcess | Served:
+        if self.served:
+            return Served(self.oc.url, self.oc.connect_timeout_s, self.tc.env_timeout_s)
+        return InProcess(self.factory, self.action_cls)
+
+    # the task contract
+
+    def prompts(self, seed: int, split: str) -> Iterator[PromptItem]:
+        n = self.oc.episodes if split == "train" else 0
+        for i in (range(n) if n else itertools.count()):
+            s = seed_of(seed, split, i)
+            first = self.first_observation(s)
+            yield PromptItem(uid=i, prompt=self.prompt_of(first),
+                             columns=(("seed", str(s)), ("split", split), ("observation", first)))
+
+    def first_observation(self, seed: int) -> str:
+        """The reset observation's text for `seed` (a session opened and closed for it)."""
+        sess = self.session()
+        try:
+            obs, _, _ = _checked(sess.reset(seed), "reset")
+            if self.tools and self._tools_text is None:
+                listed = sess.step({"type": "list_tools"})
+                with self._lock:
+                    self._tools_text = render_observation(_checked(listed, "list_tools")[0]) if isinstance(listed, dict) else ""
+            return self.render(obs)
+        finally:
+            sess.close()
+
+    def prompt_of(self, text: str) -> Any:
+        system = "\n\n".join(s for s in (self.oc.system, self._tools_text or "") if s)
+        if not self.oc.chat:
+            return f"{system}\n{text}" if system else text
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+    def reward(self, prompt: Any, completion: str) -> float:
+        raise TaskError("pipeline.tasks.openenv: an episode's reward comes from its environment (Episode.reward), "
+                        "not from the completion's text")
+
+    def demonstration(self, item: PromptItem) -> list[str]:
+        """The warm start's ideal episode (task.openenv.demonstration: `demo(first_observation, seed)`)."""
+        if self.demo is None:
+            raise TaskError("pipeline.tasks.openenv has no demonstrations without task.openenv.demonstration")
+        fields = dict(item.columns)
+        return self.demo(fields["observation"], int(fields["seed"]))
+
+    def env(self, item: PromptItem) -> "Episode":
+        return Episode(self, item)
+
+
+class Episode:
+    """One rollout's environment (pipeline/generator/envs.py's Env, with reward() and close())."""
+
+    def __init__(self, task: OpenEnvTask, item: PromptItem):
+        self.task, self.item = task, item
+        fields = dict(item.columns)
+        if "seed" not in fields:
+            raise ValueError(f"item {item.uid} has no episode seed (not from pipeline.tasks.openenv's prompts)")
+        self.turn_rewards: list[float | None] = []
+        self.done = False
+        self.sess = task.session()
+        try:
+            obs, _, self.done = _checked(self.sess.reset(int(fields["seed"])), "reset")
+            first = task.render(obs)
+            if first != fields.get("observation"):
+                raise RewardRejected("env_bad_observation", f"reset(seed={fields['seed']}) gave {first[:80]!r}, not the "
+                                     "observation the group's prompt was made from: the environment must be "
+                                     "deterministic in its seed")
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, turn: str) -> str | None:
+        if self.done:
+            return None
+        payload = self.task.to_action(turn)
+        if payload is None:
+            self.turn_rewards.append(0.0)
+            return ("error: no tool call found; call a tool as <tool_call>{\"name\": \"<tool>\", \"arguments\": "
+                    "{...}}</tool_call>")
+        out = self.sess.step(payload)
+        if isinstance(out, str):  # the action did not validate: shown to the model, reward 0
+            self.turn_rewards.append(0.0)
+            return out
+        obs, reward, self.done = _checked(out, "step")
+        self.turn_rewards.append(reward)
+        return None if self.done else self.task.render(obs)
+
+    def reward(self) -> float:
+        got = [r for r in self.turn_rewards if r is not None]
+        if not got:
+            raise RewardRejected("reward_not_a_number", f"the environment gave no reward in {len(self.turn_rewards)} "
+                                 "steps (every observation's reward was None)")
+        return got[-1] if self.task.oc.reward == "last" else float(sum(got))
+
+    def close(self) -> None:
+        sess, self.sess = getattr(self, "sess", None), None
+        if sess is not None:
+            try:
+                sess.close()
+            except Exception:
+                pass
+
+
+def from_config(cfg: TaskConfig) -> OpenEnvTask:
+    try:
+        import openenv  # noqa: F401
+    except ImportError:
+        raise TaskError("pipeline.tasks.openenv needs the openenv package: make setup installs it "
+                        "(or pip install --no-deps openenv==0.10.0 and its requirements, docs/openenv.md)") from None
+    return OpenEnvTask(cfg)
+
+
+# ---------------------------------------------------------------------- serve=local
+
+
+class LocalServer:
+    """task.openenv.serve=local: the run's own server of task.openenv.env (pipeline/tasks/openenv_server.py)
+    on a free loopback port, in a process of its own (its output in out_dir/openenv_server.log).
+    `start` sets task.openenv.url; `watch` restarts a dead server on the same port (the episodes it
+    held fail alone, new ones wait for it within task.openenv.connect_timeout_s), at most
+    task.openenv.max_restarts times; `stop` ends it on every exit path of the run.
+
+        srv = LocalServer(cfg.task, out_dir); srv.start()   # cfg.task.openenv.url = "http://127.0.0.1:PORT"
+        await srv.watch(on_fatal)                           # a task of the driver's loop
+        srv.stop()
+    """
+
+    def __init__(self, tc: TaskConfig, out_dir: str):
+        import os
+        self.tc, self.out_dir = tc, out_dir
+        self.proc = None
+        self.port = 0
+        self.restarts = 0
+        self.stopping = False
+        self.log_path = os.path.join(out_dir, "openenv_server.log")
+
+    def start(self) -> str:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._spawn()
+        self.tc.openenv.url = url = f"http://127.0.0.1:{self.port}"
+        return url
+
+    def _spawn(self) -> None:
+        import os
+        import subprocess
+        import sys
+        import urllib.request
+
+        os.makedirs(self.out_dir, exist_ok=True)
+        log = open(self.log_path, "ab")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.tasks.openenv_server", self.tc.openenv.env,
+                                      "--port", str(self.port), "--max-concurrent", str(self.tc.openenv.max_concurrent)],
+                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env)
+        log.close()
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                tail = open(self.log_path, errors="replace").read()[-1500:]
+                raise TaskError(f"task.openenv.serve=local: the server of {self.tc.openenv.env} exited with "
+                                f"{self.proc.returncode} before serving ({self.log_path}):\n{tail}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except Exception:
+                if time.monotonic() >= deadline:
+                    self.stop()
+                    raise TaskError(f"task.openenv.serve=local: the server of {self.tc.openenv.env} did not answer "
+                                    f"/health within 60s ({self.log_path})") from None
+                time.sleep(0.2)
+
+    async def watch(self, on_fatal: Callable[[str], None]) -> None:
+        """Restart the server when it dies, until `stop` (a task of the driver's event loop)."""
+        import asyncio
+        import logging
+        log = logging.getLogger(__name__)
+        while not self.stopping:
+            await asyncio.sleep(0.5)
+            if self.stopping or self.proc is None or self.proc.poll() is None:
+                continue
+            code = self.proc.returncode
+            if self.restarts >= self.tc.openenv.max_restarts:
+                on_fatal(f"the OpenEnv server of {self.tc.openenv.env} died (exit {code}) after "
+                         f"task.openenv.max_restarts={self.tc.openenv.max_restarts} restarts ({self.log_path})")
+                return
+            self.restarts += 1
+            log.warning("the OpenEnv server of %s died (exit %s): restart %d of %d on port %d; its episodes in "
+                        "flight fail alone", self.tc.openenv.env, code, self.restarts, self.tc.openenv.max_restarts, self.port)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._spawn)
+            except TaskError as e:
+                on_fatal(str(e))
+                return
+
+    def stop(self) -> None:
+        self.stopping = True
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(5)
+        except Exception:
+            p.kill()
+            p.wait(5)

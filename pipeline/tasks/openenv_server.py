@@ -1,0 +1,58 @@
+"""Serve an OpenEnv environment class over HTTP/WebSocket (openenv's create_app under uvicorn), as
+`task.openenv.serve=local` does for a run (pipeline/tasks/openenv.py LocalServer), or by hand:
+
+    python -m pipeline.tasks.openenv_server examples.envs.keyvault.KeyVaultEnvironment --port 8011
+
+It binds 127.0.0.1 only; `--max-concurrent` sessions at once (each a fresh environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+
+
+def observation_class(env_cls: typing.Any) -> typing.Any:
+    """The Observation class of an environment: MCP's CallToolObservation, step's return annotation, or
+    the second type argument of its Environment[Act, Obs, State] base; else Observation."""
+    from openenv.core.env_server import CallToolObservation, MCPEnvironment, Observation
+
+    if MCPEnvironment is not None and isinstance(env_cls, type) and issubclass(env_cls, MCPEnvironment):
+        return CallToolObservation
+    cls = env_cls if isinstance(env_cls, type) else type(env_cls)
+    try:
+        hint = typing.get_type_hints(cls.step).get("return")
+    except Exception:
+        hint = None
+    if isinstance(hint, type) and issubclass(hint, Observation) and hint is not Observation:
+        return hint
+    for base in getattr(cls, "__orig_bases__", ()):
+        for arg in typing.get_args(base):
+            if isinstance(arg, type) and issubclass(arg, Observation):
+                return arg
+    return Observation
+
+
+def build_app(path: str, max_concurrent: int):
+    from openenv.core.env_server import create_app
+    from pipeline.tasks.openenv import _action_class, _environment_class
+
+    env_cls = _environment_class(path)
+    return create_app(env_cls, _action_class(env_cls), observation_class(env_cls), env_name=path.rsplit(".", 1)[-1],
+                      max_concurrent_envs=max_concurrent)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("env", help="dotted path of an openenv Environment subclass")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-concurrent", type=int, default=64)
+    a = p.parse_args(argv)
+    import uvicorn
+
+    uvicorn.run(build_app(a.env, a.max_concurrent), host="127.0.0.1", port=a.port, log_level="warning",
+                ws_max_size=64 * 1024 * 1024)
+
+
+if __name__ == "__main__":
+    main()
