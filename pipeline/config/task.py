@@ -55,9 +55,10 @@ class OpenEnvConfig:
     included); past it the episode fails as env_unreachable and its group goes back."""
     max_restarts: int = 3
     """serve=local: restarts of a dead server before the run stops naming it (0..100)."""
-    max_concurrent: int = 64
-    """serve=local: the server's concurrent sessions (max_concurrent_envs); at least the episodes in
-    flight, 2 x generator.concurrency x generators."""
+    max_concurrent: int = 0
+    """serve=local: the server's concurrent sessions (max_concurrent_envs); 0: enough for every episode a
+    run can hold open, 4 x generator.concurrency x generators + 16 (training's, evaluation's, the prompt
+    stream's)."""
 
     def __post_init__(self) -> None:
         check(self.serve in ("none", "local"), "task.openenv.serve", self.serve, "none or local")
@@ -74,7 +75,7 @@ class OpenEnvConfig:
         check(self.episodes >= 0, "task.openenv.episodes", self.episodes, ">= 0")
         check(self.connect_timeout_s > 0, "task.openenv.connect_timeout_s", self.connect_timeout_s, "> 0")
         check(0 <= self.max_restarts <= 100, "task.openenv.max_restarts", self.max_restarts, "0..100")
-        check(1 <= self.max_concurrent <= 100000, "task.openenv.max_concurrent", self.max_concurrent, "1..100000")
+        check(0 <= self.max_concurrent <= 100000, "task.openenv.max_concurrent", self.max_concurrent, "0..100000")
 
 
 @dataclass

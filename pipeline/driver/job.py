@@ -85,7 +85,9 @@ class Job:
         self.env_server = None  # task.openenv.serve=local: the run's OpenEnv server, up before the task opens
         if cfg.task.openenv.serve == "local":
             from pipeline.tasks.openenv import LocalServer
-            self.env_server = LocalServer(self.cfg.task, cfg.run.out_dir)
+            oc = cfg.task.openenv
+            sessions = oc.max_concurrent or 4 * cfg.generator.concurrency * cfg.generator.num_generators + 16
+            self.env_server = LocalServer(self.cfg.task, cfg.run.out_dir, sessions)
             cfg.task.openenv.url = self.env_server.start()  # TaskError if it does not serve (exit 2)
         try:
             self._open(cfg)

@@ -239,7 +239,7 @@ class Served:
         while True:  # a restarting local server refuses for a second or two
             try:
                 self.ws = connect(ws_url, open_timeout=max(1.0, min(5.0, deadline - time.monotonic())),
-                                  max_size=64 * 1024 * 1024, proxy=None)
+                                  max_size=64 * 1024 * 1024, proxy=None, close_timeout=2)
                 break
             except Exception as e:
                 last = e
@@ -252,7 +252,10 @@ class Served:
     def _call(self, message: dict) -> dict:
         from websockets.exceptions import ConnectionClosed
         try:
-            self.ws.send(json.dumps(message))
+            try:
+                self.ws.send(json.dumps(message))
+            except ConnectionClosed:
+                pass  # a refused session (at capacity) sends an error frame, then closes: read it
             raw = self.ws.recv(timeout=self.timeout_s)
         except ConnectionClosed as e:
             raise EnvUnreachable(f"the server closed the session during {message['type']}: {_first_line(e)}") from None
@@ -332,8 +335,10 @@ class OpenEnvTask:
             raise TaskError("task.name=pipeline.tasks.openenv needs task.openenv.env (an Environment class) or "
                             "task.openenv.url (a served one)")
         self.served = bool(oc.url)
-        self.factory = None if self.served else _environment_class(oc.env)
-        self.action_cls = None if self.served else _action_class(self.factory)
+        # the class itself wherever it is importable (in-process, and serve=local): the prompt stream makes
+        # its prompts from a local instance, with no network call in the buffer's event loop
+        self.factory = _environment_class(oc.env) if oc.env else None
+        self.action_cls = _action_class(self.factory) if self.factory is not None else None
         schema = (self.action_cls.model_json_schema() if self.action_cls is not None else self._schema()["action"])
         self.tools = _is_tool_schema(schema)
         self.name = oc.env or oc.url
@@ -379,8 +384,8 @@ class OpenEnvTask:
             raise TaskError(f"task.openenv.url={self.oc.url!r}: {url} is not an OpenEnv server's schema")
         return schema
 
-    def session(self) -> InProcess | Served:
-        if self.served:
+    def session(self, local: bool = False) -> InProcess | Served:
+        if self.served and not (local and self.factory is not None):
             return Served(self.oc.url, self.oc.connect_timeout_s, self.tc.env_timeout_s)
         return InProcess(self.factory, self.action_cls)
 
@@ -395,8 +400,19 @@ class OpenEnvTask:
                              columns=(("seed", str(s)), ("split", split), ("observation", first)))
 
     def first_observation(self, seed: int) -> str:
-        """The reset observation's text for `seed` (a session opened and closed for it)."""
-        sess = self.session()
+        """The reset observation's text for `seed` (a session opened and closed for it). A served one that
+        fails to answer (a server restarting) is asked again for task.openenv.connect_timeout_s."""
+        deadline = time.monotonic() + self.oc.connect_timeout_s
+        while True:
+            try:
+                return self._first_observation(seed)
+            except RewardRejected as e:
+                if not self.served or e.reason not in ("env_unreachable", "env_timeout") or time.monotonic() >= deadline:
+                    raise TaskError(f"task.openenv: the first observation of episode seed {seed}: {e}") from None
+                time.sleep(0.5)
+
+    def _first_observation(self, seed: int) -> str:
+        sess = self.session(local=True)
         try:
             obs, _, _ = _checked(sess.reset(seed), "reset")
             if self.tools and self._tools_text is None:
@@ -506,9 +522,9 @@ class LocalServer:
         srv.stop()
     """
 
-    def __init__(self, tc: TaskConfig, out_dir: str):
+    def __init__(self, tc: TaskConfig, out_dir: str, sessions: int):
         import os
-        self.tc, self.out_dir = tc, out_dir
+        self.tc, self.out_dir, self.sessions = tc, out_dir, sessions
         self.proc = None
         self.port = 0
         self.restarts = 0
@@ -534,7 +550,7 @@ class LocalServer:
         log = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.tasks.openenv_server", self.tc.openenv.env,
-                                      "--port", str(self.port), "--max-concurrent", str(self.tc.openenv.max_concurrent)],
+                                      "--port", str(self.port), "--max-concurrent", str(self.sessions)],
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, env=env)
         log.close()
