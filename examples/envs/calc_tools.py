@@ -76,9 +76,15 @@ class CalcToolsEnvironment(MCPEnvironment):
         q = " + ".join(map(str, self.numbers))
         return TaskObservation(prompt=f"What is {q}? Use the tools; finish with submit.", reward=0.0, done=False)
 
+    # An MCP environment's served WebSocket route calls step_async, in-process code calls step: score in both.
     def step(self, action: Any, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+        return self._scored(action, super().step(action, timeout_s=timeout_s, **kwargs))
+
+    async def step_async(self, action: Any, timeout_s: Optional[float] = None, **kwargs: Any) -> Observation:
+        return self._scored(action, await super().step_async(action, timeout_s=timeout_s, **kwargs))
+
+    def _scored(self, action: Any, obs: Observation) -> Observation:
         self._state.step_count += 1
-        obs = super().step(action, timeout_s=timeout_s, **kwargs)
         if isinstance(action, CallToolAction) and isinstance(obs, CallToolObservation):
             obs.metadata = {**obs.metadata, "submitted": self.submitted, "answer": sum(self.numbers)}
             obs.done = action.tool_name == "submit" and self.submitted is not None

@@ -87,7 +87,13 @@ class Job:
             from pipeline.tasks.openenv import LocalServer
             oc = cfg.task.openenv
             sessions = oc.max_concurrent or 4 * cfg.generator.concurrency * cfg.generator.num_generators + 16
-            self.env_server = LocalServer(self.cfg.task, cfg.run.out_dir, sessions)
+            self.placement: dict = {}
+
+            def spawned(pid: int, port: int) -> None:  # placement.json's "openenv_server", kept current
+                self.placement["openenv_server"] = {"pid": pid, "port": port, "restarts": self.env_server.restarts}
+                if getattr(self, "fleet", None) is not None:
+                    self.fleet.write_placement()
+            self.env_server = LocalServer(self.cfg.task, cfg.run.out_dir, sessions, spawned)
             cfg.task.openenv.url = self.env_server.start()  # TaskError if it does not serve (exit 2)
         try:
             self._open(cfg)
@@ -104,7 +110,7 @@ class Job:
             if why is not None:
                 raise ConfigError(f"config: reward_model.path={cfg.reward_model.path!r} cannot be used: {why}")
         check_teacher(cfg, self.task)
-        self.placement: dict = {}  # every proc's, by role (placement.json)
+        self.placement = getattr(self, "placement", {})  # every proc's, by role (placement.json)
         self.fleet = Fleet(self.cfg, self.placement)
         self.supervisor = Supervisor(self.cfg, self.fleet, RestartWiring(self))
         self.evaluation = Evaluation(self.cfg, self.task, self.fleet, self.supervisor.report)

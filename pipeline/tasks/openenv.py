@@ -239,7 +239,7 @@ class Served:
         while True:  # a restarting local server refuses for a second or two
             try:
                 self.ws = connect(ws_url, open_timeout=max(1.0, min(5.0, deadline - time.monotonic())),
-                                  max_size=64 * 1024 * 1024, proxy=None, close_timeout=2)
+                                  max_size=64 * 1024 * 1024, proxy=None, close_timeout=2).__enter__()  # closed in close()
                 break
             except Exception as e:
                 last = e
@@ -522,9 +522,9 @@ class LocalServer:
         srv.stop()
     """
 
-    def __init__(self, tc: TaskConfig, out_dir: str, sessions: int):
+    def __init__(self, tc: TaskConfig, out_dir: str, sessions: int, on_spawn: Callable[[int, int], None] = lambda pid, port: None):
         import os
-        self.tc, self.out_dir, self.sessions = tc, out_dir, sessions
+        self.tc, self.out_dir, self.sessions, self.on_spawn = tc, out_dir, sessions, on_spawn
         self.proc = None
         self.port = 0
         self.restarts = 0
@@ -562,6 +562,7 @@ class LocalServer:
                                 f"{self.proc.returncode} before serving ({self.log_path}):\n{tail}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    self.on_spawn(self.proc.pid, self.port)
                     return
             except Exception:
                 if time.monotonic() >= deadline:
