@@ -32,8 +32,11 @@ run.keep_checkpoints newest complete ones; 0 keeps all) removes the old ones as 
 Fingerprint: what a resume must match, else a ConfigError naming the key before any mesh starts:
 the model (every config.json field its family reads: shape, norm epsilon, RoPE, bias, tying; from
 model.tiny or model.hf_dir), the tokenizer, task.name,
-buffer.batch_groups and buffer.group_size. Any other key may change on resume (trainer.lr,
-run.steps, ...): the new value applies, and a log line says so.
+buffer.batch_groups and buffer.group_size, and what the learner scores the sampler's tokens with:
+generator.temperature, generator.logprobs_mode and model.dtype (the buffer a checkpoint holds was
+sampled and scored with them; a checkpoint whose fingerprint lacks them is checked against the config
+it recorded). Any other key may change on resume (trainer.lr, run.steps, ...): the new value applies,
+and a log line says so.
 """
 
 from __future__ import annotations
@@ -239,6 +242,17 @@ def _sha256(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+# config keys a resume keeps as they are (the module docstring): what the learner scores the buffer's
+# tokens with. Not task.openenv.url and the like: a run may serve its environment on another port.
+SCORING_KEYS = ("generator.temperature", "generator.logprobs_mode", "model.dtype")
+
+
+def _scoring(config: dict) -> dict[str, Any]:
+    """SCORING_KEYS' values in a config as dataclasses.asdict gives it (a marker's recorded config)."""
+    flat = flatten(config)
+    return {k: flat[k] for k in SCORING_KEYS if k in flat}
+
+
 def fingerprint(cfg: Config) -> dict[str, Any]:
     """What a resume must match (module docstring), read from files only: no model is built."""
     m = cfg.model
@@ -261,11 +275,14 @@ def fingerprint(cfg: Config) -> dict[str, Any]:
     fp: dict[str, Any] = {f"model.{k}": v for k, v in arch.fingerprint().items()}
     fp.update({"tokenizer": tokenizer, "task.name": cfg.task.name,
                "buffer.batch_groups": cfg.buffer.batch_groups, "buffer.group_size": cfg.buffer.group_size})
+    fp.update(_scoring(dataclasses.asdict(cfg)))
     return fp
 
 
 def _key_name(key: str, cfg: Config) -> str:
     """The config key a user changes to move fingerprint entry `key`."""
+    if key in SCORING_KEYS:
+        return key
     if key == "tokenizer":
         return "model.hf_dir (tokenizer files)" if cfg.model.hf_dir else "the tiny model's tokenizer (pipeline.model)"
     if key.startswith("model."):
@@ -288,8 +305,8 @@ def check_fingerprint(saved: dict, cfg: Config, path: Path) -> None:
             raise ConfigError(
                 f"config: {_key_name(key, cfg)} does not match the checkpoint run.resume={str(path)!r}: "
                 f"{key} is {_shown(now.get(key))} here, {_shown(saved.get(key))} in the checkpoint. A resume "
-                f"keeps the model shape, tokenizer, task.name, buffer.batch_groups and buffer.group_size; "
-                f"start a new run.out_dir to change them")
+                f"keeps the model shape, tokenizer, task.name, buffer.batch_groups, buffer.group_size, "
+                f"{', '.join(SCORING_KEYS)}; start a new run.out_dir to change them")
 
 
 def config_changes(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
@@ -316,7 +333,10 @@ def prepare_resume(cfg: Config) -> Config:
     else:
         path = Path(cfg.run.resume)
     marker = read_marker(path)
-    check_fingerprint(marker["fingerprint"], cfg, path)
+    # a fingerprint written before SCORING_KEYS joined it: the checkpoint's recorded config has them
+    # (the defaults for a key older than its config)
+    recorded = {**_scoring(dataclasses.asdict(Config())), **_scoring(marker["config"])}
+    check_fingerprint({**recorded, **marker["fingerprint"]}, cfg, path)
     if cfg.run.steps <= marker["step"]:
         raise ConfigError(f"config: run.steps={cfg.run.steps} is invalid; allowed: more than the step of the "
                           f"checkpoint run.resume={str(path)!r} ({marker['step']}): nothing would be left to train")

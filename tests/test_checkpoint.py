@@ -107,6 +107,46 @@ def test_resume_with_a_changed_shape_fails_naming_the_key_and_other_changes_appl
         prepare_resume(load_config(TINY, [*resume, "run.steps=2"]))
 
 
+@pytest.mark.parametrize("override, key, old, new", [
+    ("generator.temperature=0.7", "generator.temperature", "1.0", "0.7"),
+    ("generator.logprobs_mode=raw", "generator.logprobs_mode", "'processed'", "'raw'"),
+    ("model.dtype=bfloat16", "model.dtype", "'float32'", "'bfloat16'"),
+])
+def test_resume_with_another_sampling_temperature_logprobs_mode_or_dtype_is_refused(tmp_path, override, key, old, new):
+    """The learner scores softmax(logits / temperature) in model.dtype, as the checkpoint's sampler
+    did for the buffer it holds: a resume that changes either is refused, naming the key, the
+    checkpoint's value and this config's."""
+    write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
+    with pytest.raises(ConfigError) as e:
+        prepare_resume(load_config(TINY, [f"run.out_dir={tmp_path}", "run.resume=latest", override]))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"config: {key} does not match the checkpoint")
+    assert f"{key} is {new} here, {old} in the checkpoint" in msg
+
+
+def test_a_checkpoint_without_the_sampling_fingerprint_is_checked_against_its_recorded_config(tmp_path):
+    """A marker whose fingerprint predates generator.temperature, generator.logprobs_mode and
+    model.dtype: the values its recorded config holds are the checkpoint's."""
+    path = write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
+    marker = json.loads((path / MARKER).read_text())
+    for key in ("generator.temperature", "generator.logprobs_mode", "model.dtype"):
+        del marker["fingerprint"][key]
+    (path / MARKER).write_text(json.dumps(marker))
+    resume = [f"run.out_dir={tmp_path}", "run.resume=latest"]
+    assert prepare_resume(load_config(TINY, resume)).run.resume == str(path)
+    with pytest.raises(ConfigError, match=r"generator\.temperature is 0\.7 here, 1\.0 in the checkpoint"):
+        prepare_resume(load_config(TINY, [*resume, "generator.temperature=0.7"]))
+
+
+def test_cli_resume_with_another_temperature_exits_2_naming_it(tmp_path):
+    write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
+    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", str(TINY), f"run.out_dir={tmp_path}",
+                        "run.resume=latest", "generator.temperature=0.7"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "generator.temperature is 0.7 here, 1.0 in the checkpoint" in p.stderr and "mesh" not in p.stderr
+
+
 def test_cli_resume_with_another_model_shape_exits_2_before_any_mesh_starts(tmp_path):
     write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", str(TINY), f"run.out_dir={tmp_path}",

@@ -104,7 +104,8 @@ class RunConfig:
     """Continue from a checkpoint (its step + 1 up to run.steps): 'latest' (the newest complete one
     under out_dir/checkpoints) or a step_N directory, resolved and checked at start-up
     (pipeline/checkpoint.py prepare_resume). It must match this config's model shape,
-    tokenizer, task.name, buffer.batch_groups and buffer.group_size; other keys take the new value."""
+    tokenizer, task.name, buffer.batch_groups, buffer.group_size, generator.temperature,
+    generator.logprobs_mode and model.dtype; other keys take the new value."""
     allow_shared_cpus: bool = False
     """Let trainer.cpus, generator.cpus, buffer.cpus and reward_model.cpus overlap (meshes then compete for those cores)."""
     allow_shared_devices: bool = False
