@@ -59,8 +59,9 @@ class ReplayBufferActor(Actor):
     def __init__(self, cfg: Config, pad_id: int):
         logs.configure(cfg.run.log_level)
         self.cfg = cfg
-        self.core = ReplayBufferCore(cfg.buffer, pad_id, overlong_shaping(cfg))
-        self.prompts = PromptStream(load_task(cfg.task.name, cfg.task), cfg.task.seed, epochs=cfg.run.epochs)
+        task = load_task(cfg.task.name, cfg.task)
+        self.core = ReplayBufferCore(cfg.buffer, pad_id, overlong_shaping(cfg, multi_turn=task.env is not None))
+        self.prompts = PromptStream(task, cfg.task.seed, epochs=cfg.run.epochs)
         self.exhausted = False  # the stream ended (run.epochs): no new prompts
         self.changed = asyncio.Condition()
 

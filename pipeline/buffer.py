@@ -15,8 +15,9 @@ group, before new prompts, so no prompt of a finite dataset is lost to staleness
 "failed" (release() by a generator), "skipped_step" (skip_batch(): the trainer skipped the step
 of the last batch taken).
 
-Dynamic sampling: `zero_signal_mode` is what a group with equal rewards gets when it finishes,
-"keep" (trained at advantage 0) or "drop". buffer.zero_signal=keep|drop fixes it; auto starts at keep
+Dynamic sampling: `zero_signal_mode` is what a group with equal task rewards (before DAPO's overlong
+shaping: DAPO filters on accuracy) gets when it finishes, "keep" (trained, at advantage 0 unless the
+shaping spreads its rewards) or "drop". buffer.zero_signal=keep|drop fixes it; auto starts at keep
 and the driver switches it with set_zero_signal() after its pre-flight probe; groups that
 finished before the switch are not revisited. The mode is part of state_dict(), so a resumed auto run
 keeps its choice.
@@ -72,14 +73,14 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
 from pipeline.config import BufferConfig
 from pipeline.difficulty import DifficultyFilter
 from pipeline.overcommit import DeltaController
-from pipeline.types import Batch, PromptGroup, PromptItem, Rollout
+from pipeline.types import ENV_VERSION, Batch, PromptGroup, PromptItem, Rollout
 
 __all__ = ["ReplayBufferCore", "RolloutRejected", "group_advantages", "Lessee"]
 
@@ -130,21 +131,65 @@ def overlong_penalty(length: int, budget: int, buffer: int, penalty: float) -> f
     return -penalty if length > budget else penalty * ((budget - buffer) - length) / buffer
 
 
-def overlong_shaping(cfg) -> tuple[int, int, float]:
-    """ReplayBufferCore's `overlong` from a whole Config (trainer.overlong_* and generator.max_new_tokens)."""
-    return cfg.generator.max_new_tokens, cfg.trainer.overlong_buffer, cfg.trainer.overlong_penalty
+class Overlong(NamedTuple):
+    """The length budgets a rollout is cut by, for DAPO's overlong shaping and Dr. GRPO's constant
+    normaliser (`overlong_shaping` builds it from a Config)."""
+
+    turn: int
+    """A model turn's budget: generator.max_new_tokens (a prompt's own max_new_tokens when smaller)."""
+    buffer: int
+    """trainer.overlong_buffer: the penalty ramps over a budget's last this-many tokens (0: no shaping)."""
+    penalty: float
+    """trainer.overlong_penalty: the penalty at the end of a budget."""
+    total: int = 0
+    """Multi-turn: task.max_total_tokens, the episode's budget of completion tokens (model and
+    environment together); 0: single-turn."""
+
+
+def overlong_shaping(cfg, multi_turn: bool = False) -> Overlong:
+    """ReplayBufferCore's `overlong` from a whole Config (generator.max_new_tokens, trainer.overlong_*,
+    and task.max_total_tokens when the task has an environment: `multi_turn`)."""
+    return Overlong(cfg.generator.max_new_tokens, cfg.trainer.overlong_buffer, cfg.trainer.overlong_penalty,
+                    cfg.task.max_total_tokens if multi_turn else 0)
+
+
+def model_turns(r: Rollout) -> list[int]:
+    """Lengths of a rollout's model turns: its runs of model tokens between environment tokens (a
+    single-turn rollout: one, its whole completion)."""
+    runs, n = [], 0
+    for v in r.versions:
+        if v == ENV_VERSION:
+            if n:
+                runs.append(n)
+            n = 0
+        else:
+            n += 1
+    return runs + [n] if n or not runs else runs
+
+
+def rollout_shaping(r: Rollout, turn_budget: int, o: Overlong) -> float:
+    """DAPO's overlong penalty of one rollout against the budgets that cut it: each model turn against
+    its turn budget and, for a multi-turn rollout, all its completion tokens (model and environment)
+    against task.max_total_tokens; the most negative of them (0 when buffer is 0)."""
+    if o.buffer <= 0:
+        return 0.0
+    x = min(overlong_penalty(n, turn_budget, o.buffer, o.penalty) for n in model_turns(r))
+    if o.total > 0:
+        x = min(x, overlong_penalty(len(r.completion_tokens), o.total, min(o.buffer, o.total - 1), o.penalty))
+    return x
 
 
 class ReplayBufferCore:
-    def __init__(self, cfg: BufferConfig, pad_id: int, overlong: tuple[int, int, float] = (0, 0, 1.0)):
-        """`overlong` = (generator.max_new_tokens, trainer.overlong_buffer, trainer.overlong_penalty): the
-        rewards that go into the group advantages get `overlong_penalty` (buffer 0: off)."""
+    def __init__(self, cfg: BufferConfig, pad_id: int, overlong: tuple = (0, 0, 1.0)):
+        """`overlong` = Overlong(generator.max_new_tokens, trainer.overlong_buffer, trainer.overlong_penalty,
+        task.max_total_tokens or 0), or its first three: the rewards that go into the group advantages get
+        `rollout_shaping` (buffer 0: off), and a batch's `max_len` is the rollout's budget (total, else turn)."""
         if cfg.zero_signal == "drop" and cfg.group_size == 1:
             raise ValueError("buffer: zero_signal='drop' with group_size=1 drops every group "
                              "(one sample never has a reward spread); use zero_signal='keep'")
         self.cfg, self.pad_id = cfg, pad_id
         self.zero_signal_mode = "drop" if cfg.zero_signal == "drop" else "keep"  # auto starts at keep
-        self.overlong = overlong
+        self.overlong = Overlong(*overlong)
         self.overlong_shaped = 0  # samples whose reward the overlong penalty lowered
         self.delta_ctl = DeltaController(cfg)
         # the evidence is in samples: a flat group of 2 says less than one of 16
@@ -329,19 +374,20 @@ class ReplayBufferCore:
         self._lease.pop(g.group.group_id, None)
         rewards = [g.samples[i].reward for i in range(self.cfg.group_size)]
         self.difficulty.observe(g.group.item.prompt, rewards, self.version)
-        max_new, buf, pen = self.overlong
-        if buf > 0:  # DAPO's overlong shaping, over the prompt's own budget when it has one
-            budget = min(g.group.item.max_new_tokens or max_new, max_new)
-            shaping = [overlong_penalty(g.samples[i].num_model_tokens, budget, buf, pen)
-                       for i in range(self.cfg.group_size)]
-            self.overlong_shaped += sum(1 for x in shaping if x < 0)
-            rewards = [r + x for r, x in zip(rewards, shaping)]
+        # dynamic sampling reads the task's rewards (DAPO filters on accuracy), before any length shaping
         if max(rewards) == min(rewards):
             self.zero_signal_groups += 1
             if self.zero_signal_mode == "drop":
                 self.dropped_groups["zero_signal"] += 1
                 self.wasted_tokens += sum(r.num_model_tokens for r in g.samples.values())
                 return
+        o = self.overlong
+        if o.buffer > 0:  # DAPO's overlong shaping, a turn over the prompt's own budget when it has one
+            budget = min(g.group.item.max_new_tokens or o.turn, o.turn)
+            shaping = [rollout_shaping(g.samples[i], budget, o) for i in range(self.cfg.group_size)]
+            self.overlong_shaped += sum(1 for x in shaping if x < 0)
+            rewards = [r + x for r, x in zip(rewards, shaping)]
+        if max(rewards) == min(rewards):
             g.advantages = [0.0] * len(rewards)
         else:
             g.advantages = group_advantages(rewards, self.cfg.normalize_std)
@@ -430,7 +476,7 @@ class ReplayBufferCore:
                      rewards=torch.tensor([r.reward for r, _, _ in samples], dtype=torch.float32),
                      group_ids=tuple(gid for _, _, gid in samples), trainer_version=self.version,
                      truncated=torch.tensor([r.finish_reason == "length" for r, _, _ in samples], dtype=torch.bool),
-                     teacher_logprobs=teacher)
+                     teacher_logprobs=teacher, max_len=self.overlong.total or self.overlong.turn)
 
     def skip_batch(self, group_ids: Iterable[int]) -> int:
         """The trainer skipped the step of the last batch taken (non-finite loss or gradient, no loss

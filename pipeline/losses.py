@@ -204,7 +204,8 @@ def policy_loss(
     `entropy` [N, T-1]: per-token entropy of π_θ (`token_entropy`), rewarded with `entropy_coef`
     (the caller's current coefficient: fixed, or adapted by `adapt_entropy_coef`).
     `log_mix` [N]: mis_balance's per-sample mixture log-likelihood (`balance_log_mixture`).
-    `max_len`: aggregation=constant's normaliser per sequence (generator.max_new_tokens).
+    `max_len`: aggregation=constant's normaliser per sequence (Batch.max_len: generator.max_new_tokens, or
+    task.max_total_tokens for multi-turn rollouts).
     The returned sums are detached: `clip_tokens` (tokens where the clipped branch is active; under
     cispo, where the weight is clipped), split into `clip_low_tokens` and `clip_high_tokens`,
     `dual_clip_tokens` (negative-advantage tokens held at c·A by the dual clip), `is_clip_tokens`

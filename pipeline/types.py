@@ -167,6 +167,8 @@ class Batch:
     trainer_version: int  # version the batch was built for (staleness reference)
     truncated: torch.Tensor | None = None  # [N] bool: the sample hit its length budget (finish_reason 'length')
     teacher_logprobs: torch.Tensor | None = None  # [N, T] float32 like behaviour_logprobs: the teacher's (OPD)
+    max_len: int = 0  # the most completion tokens a sample may have (aggregation=constant's normaliser):
+    # generator.max_new_tokens, or task.max_total_tokens for multi-turn rollouts; 0: generator.max_new_tokens
 
     def __post_init__(self) -> None:
         n, t = self.input_ids.shape if self.input_ids.dim() == 2 else (-1, -1)

@@ -420,3 +420,84 @@ def test_environment_token_with_a_logprob_is_invalid():
         bad.validate()
     with pytest.raises(ValueError, match="negative policy version"):
         rollout(0, 0, versions=(0, -2), logprobs=(-0.5, 0.0)).validate()
+
+
+# --------------------------------------------------------------- DAPO: overlong shaping and dynamic sampling
+
+def turns(gid: int, idx: int, lengths: list[int], obs: int = 2, reward: float = 1.0, **kw) -> Rollout:
+    """A multi-turn rollout: model turns of `lengths` tokens with `obs` environment tokens between them."""
+    versions: list[int] = []
+    for k, n in enumerate(lengths):
+        versions += [-1] * (obs if k else 0) + [0] * n
+    lps = tuple(0.0 if v < 0 else -0.5 for v in versions)
+    return rollout(gid, idx, reward=reward, versions=tuple(versions), logprobs=lps, **kw)
+
+
+def test_multi_turn_overlong_shaping_counts_each_turn_against_its_own_budget():
+    """L = 16 per turn, dapo's buffer 16 // 5 = 3, task.max_total_tokens = 64: one turn of 10 tokens and
+    three turns of 10 both finished normally with reward 1. No turn came near its budget and the episode
+    did not either, so neither is shaped and the group has no signal (not +0.707 / -0.707)."""
+    from pipeline.buffer import overlong_shaping
+    from pipeline.config import Config, GeneratorConfig, TaskConfig, TrainerConfig
+
+    c = Config(buffer=cfg(zero_signal="keep"), trainer=TrainerConfig(recipe="dapo"),
+               generator=GeneratorConfig(max_new_tokens=16),
+               task=TaskConfig(name="pipeline.tasks.calc", max_total_tokens=64))
+    assert c.trainer.overlong_buffer == 3
+    buf = ReplayBufferCore(c.buffer, PAD, overlong_shaping(c, multi_turn=True))
+    g0, g1 = admit(buf, 2)
+    buf.add(turns(g0, 0, [10]))
+    buf.add(turns(g0, 1, [10, 10, 10]))
+    assert buf._complete[g0].advantages == [0.0, 0.0] and buf.overlong_shaped == 0
+    # a turn cut at its budget (16 of 16) is shaped as DAPO shapes a response: -1; one of 15 tokens: -2/3
+    buf.add(turns(g1, 0, [10, 16, 5]))
+    buf.add(turns(g1, 1, [15]))
+    single = ReplayBufferCore(cfg(zero_signal="keep", normalize_std=False), PAD, (16, 3, 1.0))
+    (s,) = admit(single)
+    single.add(rollout(s, 0, reward=1.0, versions=(0,) * 16))
+    single.add(rollout(s, 1, reward=1.0, versions=(0,) * 15))
+    assert single._complete[s].advantages == pytest.approx([-1 / 6, 1 / 6])  # shaped -1 and -2/3
+    assert buf.overlong_shaped == 2 and buf._complete[g1].advantages[0] < 0 < buf._complete[g1].advantages[1]
+    # the episode's budget: 63 of 64 completion tokens (model and environment) is in its last 3 tokens' window
+    b2 = ReplayBufferCore(c.buffer, PAD, overlong_shaping(c, multi_turn=True))
+    (h,) = admit(b2)
+    b2.add(turns(h, 0, [12, 12, 12, 12], obs=5))  # 48 model + 15 environment tokens = 63 > 64 - 3
+    b2.add(turns(h, 1, [12, 12, 12], obs=5))      # 46: unshaped
+    assert b2.overlong_shaped == 1 and b2._complete[h].advantages[0] < 0
+    # single-turn (the default): the whole completion is the one turn
+    assert overlong_shaping(c) == (16, 3, 1.0, 0)
+
+
+def test_multi_turn_batches_carry_the_rollout_budget_for_dr_grpo():
+    """aggregation=constant divides by the most loss tokens a rollout may have: generator.max_new_tokens
+    for single-turn rollouts, task.max_total_tokens for multi-turn ones (Batch.max_len)."""
+    from pipeline.buffer import overlong_shaping
+    from pipeline.config import Config, TaskConfig
+
+    c = Config(buffer=cfg(batch_groups=1), task=TaskConfig(name="pipeline.tasks.calc", max_total_tokens=64))
+    for multi, want in ((True, 64), (False, c.generator.max_new_tokens)):
+        buf = ReplayBufferCore(c.buffer, PAD, overlong_shaping(c, multi_turn=multi))
+        fill(buf, admit(buf)[0])
+        assert buf.take_batch().max_len == want
+
+
+def test_dynamic_sampling_filters_on_the_task_reward_not_the_shaped_one():
+    """DAPO filters on accuracy: an all-correct group with one response in the overlong window has equal
+    task rewards and is dropped under zero_signal=drop (its only spread would be length), and counted as a
+    zero-signal group under keep."""
+    drop = ReplayBufferCore(cfg(zero_signal="drop"), PAD, (16, 3, 1.0))
+    (g,) = admit(drop)
+    drop.add(rollout(g, 0, reward=1.0, versions=(0,) * 15))  # shaped: 1 - 2/3
+    drop.add(rollout(g, 1, reward=1.0, versions=(0,) * 5))
+    assert drop.dropped_groups == {"zero_signal": 1} and g not in drop._complete
+    keep = ReplayBufferCore(cfg(zero_signal="keep"), PAD, (16, 3, 1.0))
+    (g,) = admit(keep)
+    keep.add(rollout(g, 0, reward=1.0, versions=(0,) * 15))
+    keep.add(rollout(g, 1, reward=1.0, versions=(0,) * 5))
+    assert keep.zero_signal_groups == 1 and keep._complete[g].advantages[0] < 0  # kept: length shaping trains
+    # a task-reward spread is kept under drop even where the shaping evens the rewards out
+    drop2 = ReplayBufferCore(cfg(zero_signal="drop", normalize_std=False), PAD, (16, 3, 1.0))
+    (g,) = admit(drop2)
+    drop2.add(rollout(g, 0, reward=1.0, versions=(0,) * 16))  # 1 - 1 = 0
+    drop2.add(rollout(g, 1, reward=0.0, versions=(0,) * 5))
+    assert drop2.dropped_groups == {} and drop2._complete[g].advantages == [0.0, 0.0]

@@ -539,3 +539,17 @@ def test_overlong_filter_trains_as_if_the_truncated_samples_had_no_loss_tokens(c
     assert not same(w_filtered, w_plain)
     assert m_filtered["overlong_filtered_frac"] == pytest.approx(2 / 6) and m_plain["overlong_filtered_frac"] == 0.0
     assert m_filtered["truncated_frac"] == m_plain["truncated_frac"] == pytest.approx(2 / 6)
+
+
+def test_dr_grpo_divides_by_the_batchs_rollout_budget(cfg):
+    """aggregation=constant (Dr. GRPO) divides by Batch.max_len, the budget of the batch's rollouts
+    (task.max_total_tokens for multi-turn ones), and by generator.max_new_tokens when the batch has none."""
+    def loss(max_len: int) -> float:
+        torch.manual_seed(0)
+        core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, recipe="dr_grpo", correction="none")))
+        base = make_batch(core.model)
+        return core.train_step(dataclasses.replace(base, max_len=max_len))["loss"]
+
+    default = cfg.generator.max_new_tokens
+    assert loss(0) == pytest.approx(loss(default), rel=1e-6)
+    assert loss(4 * default) == pytest.approx(loss(default) / 4, rel=1e-6)

@@ -30,7 +30,7 @@ RECIPES: dict[str, dict] = {
     # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token mean over the batch, overlong shaping + filtering
     "dapo": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": 0.0, "aggregation": "token_mean",
              "overlong_buffer": None, "overlong_penalty": 1.0, "overlong_filter": True, "normalize_std": True},
-    # Dr. GRPO (Liu et al. 2025): no std, constant normaliser (generator.max_new_tokens)
+    # Dr. GRPO (Liu et al. 2025): no std, constant normaliser (the rollout's budget, Batch.max_len)
     "dr_grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "constant", "normalize_std": False},
     # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio, clip 3e-4 / 4e-4, sequence mean
     "gspo": {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "dual_clip": 0.0, "ratio_level": "sequence",
@@ -143,12 +143,14 @@ class TrainerConfig:
     """Upper bound of the masked-IS ratio window (> 1; 2.0, and 5.0 with correction=icepop)."""
     aggregation: str | None = None
     """Recipe part. Loss aggregation: token_mean (Σ over the batch's tokens / their count) | seq_mean (mean over
-    sequences of each one's token mean) | constant (Σ / (sequences × generator.max_new_tokens), Dr. GRPO)."""
+    sequences of each one's token mean) | constant (Σ / (sequences × generator.max_new_tokens), Dr. GRPO; a
+    multi-turn task's rollouts: × task.max_total_tokens, their budget)."""
     overlong_buffer: int | None = None
     """Recipe part. DAPO's soft overlong penalty over the last this-many tokens of the length budget L
     (generator.max_new_tokens, or a prompt's own max_new_tokens): a response of length n > L − buffer gets
     overlong_penalty · (L − buffer − n) / buffer added to its reward before the group advantages (0: off;
-    dapo: L // 5)."""
+    dapo: L // 5). A multi-turn rollout: each model turn against L and its whole completion (observations
+    included) against task.max_total_tokens, the most negative penalty counting."""
     overlong_penalty: float | None = None
     """Recipe part. Scale of the overlong penalty at the end of the budget (> 0; 1.0)."""
     overlong_filter: bool | None = None

@@ -305,7 +305,7 @@ class TrainCore:
                                              self.tcfg, ref=ref, denominators=den, entropy=ent,
                                              entropy_coef=self.entropy_coef,
                                              log_mix=None if prox.log_mix is None else prox.log_mix[rows],
-                                             max_len=self.cfg.generator.max_new_tokens)
+                                             max_len=batch.max_len or self.cfg.generator.max_new_tokens)
             (loss * self.par.dp_world).backward()
             if chunks is not None:
                 chunks.add(self.model)
