@@ -159,30 +159,40 @@ def tools_text(tools: list) -> str:
             + "\n".join(lines))
 
 
-def _action_class(env_cls: Any) -> Any:
-    """The Action class an in-process environment's step takes: MCP environments' CallToolAction, the
-    annotation of step's `action`, or the first type argument of its Environment[Act, Obs, State] base."""
-    from openenv.core.env_server import Action, CallToolAction
-
-    try:
-        from openenv.core.env_server import MCPEnvironment
-        if MCPEnvironment is not None and isinstance(env_cls, type) and issubclass(env_cls, MCPEnvironment):
-            return CallToolAction
-    except ImportError:
-        pass
+def model_class(env_cls: Any, base: type, hint: str) -> type | None:
+    """The `base` subclass (Action, Observation) an environment's step names: its annotation `hint`
+    ("action", "return"), else the first such type argument of its Environment[Act, Obs, State] base."""
     cls = env_cls if isinstance(env_cls, type) else type(env_cls)
     try:
-        hint = typing.get_type_hints(cls.step).get("action")
+        found = typing.get_type_hints(cls.step).get(hint)
     except Exception:
-        hint = None
-    if isinstance(hint, type) and issubclass(hint, Action) and hint is not Action:
-        return hint
-    for base in getattr(cls, "__orig_bases__", ()):
-        for arg in typing.get_args(base):
-            if isinstance(arg, type) and issubclass(arg, Action):
+        found = None
+    if isinstance(found, type) and issubclass(found, base) and found is not base:
+        return found
+    for b in getattr(cls, "__orig_bases__", ()):
+        for arg in typing.get_args(b):
+            if isinstance(arg, type) and issubclass(arg, base):
                 return arg
-    raise TaskError(f"task.openenv.env: cannot tell the Action class of {cls.__name__}: annotate its step "
-                    "(def step(self, action: MyAction)) or subclass Environment[MyAction, MyObservation, State]")
+    return None
+
+
+def is_mcp(env_cls: Any) -> bool:
+    from openenv.core.env_server import MCPEnvironment
+    return MCPEnvironment is not None and isinstance(env_cls, type) and issubclass(env_cls, MCPEnvironment)
+
+
+def _action_class(env_cls: Any) -> Any:
+    """The Action class an in-process environment's step takes (an MCP environment's: CallToolAction)."""
+    from openenv.core.env_server import Action, CallToolAction
+
+    if is_mcp(env_cls):
+        return CallToolAction
+    found = model_class(env_cls, Action, "action")
+    if found is None:
+        name = getattr(env_cls, "__name__", type(env_cls).__name__)
+        raise TaskError(f"task.openenv.env: cannot tell the Action class of {name}: annotate its step "
+                        "(def step(self, action: MyAction)) or subclass Environment[MyAction, MyObservation, State]")
+    return found
 
 
 def _environment_class(path: str) -> Any:

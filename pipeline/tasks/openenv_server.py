@@ -13,24 +13,13 @@ import typing
 
 
 def observation_class(env_cls: typing.Any) -> typing.Any:
-    """The Observation class of an environment: MCP's CallToolObservation, step's return annotation, or
-    the second type argument of its Environment[Act, Obs, State] base; else Observation."""
-    from openenv.core.env_server import CallToolObservation, MCPEnvironment, Observation
+    """The Observation class of an environment (an MCP environment's: CallToolObservation), else Observation."""
+    from openenv.core.env_server import CallToolObservation, Observation
+    from pipeline.tasks.openenv import is_mcp, model_class
 
-    if MCPEnvironment is not None and isinstance(env_cls, type) and issubclass(env_cls, MCPEnvironment):
+    if is_mcp(env_cls):
         return CallToolObservation
-    cls = env_cls if isinstance(env_cls, type) else type(env_cls)
-    try:
-        hint = typing.get_type_hints(cls.step).get("return")
-    except Exception:
-        hint = None
-    if isinstance(hint, type) and issubclass(hint, Observation) and hint is not Observation:
-        return hint
-    for base in getattr(cls, "__orig_bases__", ()):
-        for arg in typing.get_args(base):
-            if isinstance(arg, type) and issubclass(arg, Observation):
-                return arg
-    return Observation
+    return model_class(env_cls, Observation, "return") or Observation
 
 
 def build_app(path: str, max_concurrent: int):
