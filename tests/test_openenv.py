@@ -177,7 +177,7 @@ def test_a_killed_or_stalled_server_fails_the_episode_alone_with_its_reason(serv
     t0 = time.monotonic()
     with pytest.raises(RewardRejected) as e:
         ep.step("?")
-    assert e.value.reason == "env_timeout" and 1.5 < time.monotonic() - t0 < 6
+    assert e.value.reason == "env_timeout" and 1.5 < time.monotonic() - t0 < 15
     ep.close()
     os.kill(p.pid, signal.SIGCONT)
     ep = task.env(item)
