@@ -361,6 +361,18 @@ def test_an_explicit_key_wins_over_the_preset():
     assert (t.clip_eps_low, t.clip_eps_high) == (0.1, 0.3)
 
 
+def test_dapo_preset_turns_dynamic_sampling_on():
+    """DAPO samples until its batch holds groups with an accuracy spread: the preset sets
+    buffer.zero_signal=drop (group_size > 1); a buffer.zero_signal the config names wins, and the other
+    recipes keep the default auto."""
+    assert load_config("configs/tiny.yaml", ["trainer.recipe=dapo"]).buffer.zero_signal == "drop"
+    for v in ("keep", "auto"):
+        assert load_config("configs/tiny.yaml", ["trainer.recipe=dapo", f"buffer.zero_signal={v}"]).buffer.zero_signal == v
+    assert load_config("configs/tiny.yaml", ["trainer.recipe=dapo", "buffer.group_size=1"]).buffer.zero_signal == "auto"
+    for recipe in ("none", "grpo", "dr_grpo", "cispo"):
+        assert load_config("configs/tiny.yaml", [f"trainer.recipe={recipe}"]).buffer.zero_signal == "auto", recipe
+
+
 @pytest.mark.parametrize("overrides,keys", [
     (["trainer.recipe=gspo"], ("trainer.correction", "trainer.ratio_level")),  # tiny.yaml: correction=tis
     (["trainer.recipe=cispo", "trainer.ratio_level=sequence", "trainer.correction=none"],

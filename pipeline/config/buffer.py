@@ -37,10 +37,11 @@ class BufferConfig:
     retry_stale: bool = True
     """A group dropped as stale was never trained on: admit its prompt again (before new prompts), so
     a finite dataset loses no prompt to staleness. Counted in the buffer stats as retried_prompts."""
-    zero_signal: str = "auto"
-    """Groups whose rewards are all equal (no learning signal under group-relative advantages):
-    keep (trained at zero advantage) | drop (DAPO dynamic sampling: not trained, counted as dropped
-    zero_signal, and admission replaces them so batches fill with groups that carry signal) | auto
+    zero_signal: str | None = None
+    """Groups whose task rewards are all equal (no learning signal under group-relative advantages; read
+    before DAPO's overlong shaping): keep (trained at zero advantage) | drop (DAPO dynamic sampling: not
+    trained, counted as dropped zero_signal, and admission replaces them so batches fill with groups that
+    carry signal; what trainer.recipe=dapo sets when group_size > 1 and this key is not named) | auto
     (the default: keep until the pre-flight probe of a fresh run, then drop when fewer than half of
     the held-out groups have a reward spread, else keep; keep when a teacher's per-token distillation
     is on (teacher.hf_dir with trainer.distill_coef > 0), when there is no probe (no held-out prompts,
@@ -63,6 +64,9 @@ class BufferConfig:
         self.std_explicit = self.normalize_std is not None  # a plain attribute: Config lets the recipe decide
         if self.normalize_std is None:
             self.normalize_std = True
+        self.zero_signal_explicit = self.zero_signal is not None  # likewise (dapo's dynamic sampling)
+        if self.zero_signal is None:
+            self.zero_signal = "auto"
         check(1 <= self.group_size <= 1024, "buffer.group_size", self.group_size, "1..1024")
         check(1 <= self.batch_groups <= 65536, "buffer.batch_groups", self.batch_groups, "1..65536")
         check(0 <= self.max_staleness <= 1000, "buffer.max_staleness", self.max_staleness, "0..1000")

@@ -62,6 +62,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         for key in RECIPE_PARTS:
             cfg.trainer[key] = None
         cfg.buffer.normalize_std = None
+        cfg.buffer.zero_signal = None
         if path is not None:
             p = Path(path)
             if not p.is_file():

@@ -15,7 +15,7 @@ RECIPE_PARTS = ("clip_eps", "clip_eps_low", "clip_eps_high", "dual_clip", "ratio
                 "overlong_buffer", "overlong_penalty", "overlong_filter", "mis_low", "mis_high", "distill_coef",
                 "reward_coef")
 """The trainer keys a recipe sets (each None until resolved: a key the config names wins over its recipe).
-buffer.normalize_std is a part too (resolved by Config, tree.py), and so is overlong_buffer under dapo
+buffer.normalize_std and buffer.zero_signal are parts too (resolved by Config, tree.py), and so is overlong_buffer under dapo
 (a fifth of generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
 
 NO_PRESET = {"clip_eps": 0.2, "dual_clip": 3.0, "ratio_level": "token", "weight_form": "ppo",
@@ -27,9 +27,11 @@ RECIPES: dict[str, dict] = {
     "none": {},
     # GRPO (Shao et al. 2024, DeepSeekMath): PPO-clip, symmetric 0.2, each response's token mean, std on
     "grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "seq_mean", "normalize_std": True},
-    # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token mean over the batch, overlong shaping + filtering
+    # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token mean over the batch, overlong shaping + filtering,
+    # dynamic sampling (groups without an accuracy spread dropped: buffer.zero_signal=drop)
     "dapo": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": 0.0, "aggregation": "token_mean",
-             "overlong_buffer": None, "overlong_penalty": 1.0, "overlong_filter": True, "normalize_std": True},
+             "overlong_buffer": None, "overlong_penalty": 1.0, "overlong_filter": True, "normalize_std": True,
+             "zero_signal": "drop"},
     # Dr. GRPO (Liu et al. 2025): no std, constant normaliser (the rollout's budget, Batch.max_len)
     "dr_grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "constant", "normalize_std": False},
     # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio, clip 3e-4 / 4e-4, sequence mean

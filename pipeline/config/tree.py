@@ -120,12 +120,15 @@ class Config:
                       f"a GPU not in {key}={spec!r}, or run.allow_shared_devices=true")
 
     def _resolve_recipe(self) -> None:
-        """The loss recipe's parts outside trainer.*: buffer.normalize_std (unless set), and dapo's
-        overlong_buffer (a fifth of generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
+        """The loss recipe's parts outside trainer.*: buffer.normalize_std and buffer.zero_signal (dapo's
+        dynamic sampling, with group_size > 1) unless set, and dapo's overlong_buffer (a fifth of
+        generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
         t, b = self.trainer, self.buffer
         preset = RECIPES[t.recipe]
         if not getattr(b, "std_explicit", True):
             b.normalize_std = preset.get("normalize_std", True)
+        if not getattr(b, "zero_signal_explicit", True) and b.group_size > 1:
+            b.zero_signal = preset.get("zero_signal", b.zero_signal)
         if t.overlong_buffer is None:
             t.overlong_buffer = max(1, self.generator.max_new_tokens // 5)
         check(t.overlong_buffer < self.generator.max_new_tokens or t.overlong_buffer == 0, "trainer.overlong_buffer",
