@@ -111,6 +111,11 @@ class TrainerActor(Actor):
         return self._c().state.set_reference()
 
     @endpoint
+    async def reset_optimizer(self) -> None:
+        """AdamW's moments and step counts dropped (the warm start's hand-over to RL)."""
+        self._c().state.reset_optimizer()
+
+    @endpoint
     async def save(self, path: str, data_state: dict | None = None) -> str:
         return self._c().save(path, data_state)
 
@@ -231,6 +236,9 @@ class Trainer:
 
     async def set_reference(self) -> bool:
         return await self.call_all("set_reference")
+
+    async def reset_optimizer(self) -> None:
+        await self.call_all("reset_optimizer")
 
     async def save(self, path: str, data_state: dict | None = None) -> str:
         return await self.call_all("save", str(path), data_state)

@@ -11,6 +11,10 @@ place (still version 0) and a held-out probe (Evaluation.probe, buffer.group_siz
 prompt at generator.temperature) tells the stopping rule (learning_signal.WarmStartRule) whether RL
 has signal yet. A probe comes first, before any step: a policy that already has signal is not
 warm-started at all.
+
+Either way RL starts with a fresh AdamW (`hand_over`): the supervised steps' moments and step counts
+are dropped, so the first RL steps are not pushed along the demonstrations' momentum nor scaled by
+their gradients' second moments (docs/results/audit-warm-start.md measures both).
 """
 
 from __future__ import annotations
@@ -65,9 +69,9 @@ def demo_batch(tokenizer: Any, task: Any, items: Iterable[PromptItem],
 
 async def warm_start(cfg: Config, task: Any, trainer: Any, tokenizer: Any, steps: int) -> Path:
     """`steps` supervised steps on task demonstrations (a batch of buffer.batch_groups x group_size
-    items each), then the trainer exports the result for the generators to start from and, with a
-    KL term, takes it as the reference. Returns the export's directory. Runs before any generator
-    exists, so nothing overlaps it."""
+    items each), then the trainer exports the result for the generators to start from and hands
+    over to RL (`hand_over`: AdamW afresh, the KL reference). Returns the export's directory. Runs
+    before any generator exists, so nothing overlaps it."""
     if task.demonstration is None:
         raise RunError(f"run.warm_start_steps={steps} but task {task.name} has no demonstration()")
     demos = Demonstrations(cfg, task, trainer, tokenizer)
@@ -76,10 +80,19 @@ async def warm_start(cfg: Config, task: Any, trainer: Any, tokenizer: Any, steps
         loss = await demos.step()
     warm_dir = Path(cfg.run.out_dir) / "warm_start"
     await trainer.export_hf(str(warm_dir))
-    if await trainer.set_reference():
-        log.info("warm start: the KL reference (trainer.kl_coef) is the warm-started policy")
+    await hand_over(trainer)
     log.info("warm start: %d supervised steps on demonstrations, final loss %.4f", steps, loss)
     return warm_dir
+
+
+async def hand_over(trainer: Any) -> None:
+    """After the supervised steps, before RL: AdamW's moments and step counts are dropped, so the
+    first RL step starts the optimizer afresh (as a run without a warm start does) instead of taking
+    the demonstrations' momentum and gradient scale; with a KL term the warm-started policy becomes
+    the reference."""
+    await trainer.reset_optimizer()
+    if await trainer.set_reference():
+        log.info("warm start: the KL reference (trainer.kl_coef) is the warm-started policy")
 
 
 class Demonstrations:
@@ -133,8 +146,8 @@ class WarmReport:
 async def auto_warm_start(cfg: Config, task: Any, trainer: Any, tokenizer: Any, fleet: Any, evaluation: Any) -> WarmReport:
     """run.warm_start_steps=auto (see the module docstring). Runs after the generators started and
     before generation begins; nothing else calls the trainer or the generators meanwhile. Returns
-    the report; the generators serve the warm-started weights (version 0) and, with a KL term, the
-    trainer takes them as its reference."""
+    the report; the generators serve the warm-started weights (version 0) and the trainer has handed
+    over to RL (`hand_over`)."""
     if task.demonstration is None:
         return WarmReport(0, f"task {task.name} has no demonstration()", "auto")
     rule, g = WarmStartRule.of(cfg.run), cfg.buffer.group_size
@@ -158,8 +171,8 @@ async def auto_warm_start(cfg: Config, task: Any, trainer: Any, tokenizer: Any, 
         await reload(fleet, trainer, warm_dir, cfg.weight_sync.timeout_s)
     elif not steps:  # out_dir/warm_start is the RL start, as after any warm start (tools/peer_compare.py reads it)
         await trainer.export_hf(str(warm_dir))
-    if steps and await trainer.set_reference():
-        log.info("warm start: the KL reference (trainer.kl_coef) is the warm-started policy")
+    if steps:
+        await hand_over(trainer)
     if not held_out:
         why += " (no held-out probe: the task has no eval prompts, or buffer.group_size is 1)"
     return WarmReport(steps, why, "auto", before, after, losses[-1] if losses else float("nan"))

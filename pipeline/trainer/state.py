@@ -14,9 +14,9 @@ Checkpoint format (what old checkpoints hold, and what `load` reads):
   entropy_coef), world, has_ref, the LR schedule, the optimizer's param groups and `data_state`.
 - rng_rank<r>.pt: rank r's torch/python RNG.
 
-Contract: every method but `set_reference` is a collective (FSDP gathers in the state-dict hooks,
-DCP, the closing barrier): every rank calls it, in the same order. In `export_hf` every rank gathers
-and rank 0 alone writes.
+Contract: every method but `set_reference` and `reset_optimizer` is a collective (FSDP gathers in
+the state-dict hooks, DCP, the closing barrier): every rank calls it, in the same order. In
+`export_hf` every rank gathers and rank 0 alone writes.
 
 Weights out are in model.dtype, the generators' dtype (`dtype`): a push's tensors, the plan's
 meta and an HF export are the float32 master cast to it, shard by shard (a push: each rank's own
@@ -72,6 +72,12 @@ class TrainerState:
             for r, p in zip(resharded(self.ref_model).parameters(), resharded(self.model).parameters(), strict=True):
                 local(r).copy_(local(p))
         return True
+
+    def reset_optimizer(self) -> None:
+        """Drop AdamW's moments and step counts (after the supervised warm start): the first RL step
+        starts them afresh, as in a run without a warm start, instead of following the demonstrations'
+        momentum and gradient scale. The param groups and the LR schedule are untouched."""
+        self.optimizer.state.clear()
 
     # ------------------------------------------------------------------ weights out
 
