@@ -24,6 +24,11 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
     tis         w = min(ρ, C)
     vanilla_is  w = ρ
     seq_is      w = min(exp(clamp(Σ_t mask·(old − mu), ±20)), C), one weight per sequence
+    geo_is      w = min(exp(clamp(Σ_t mask·(old − mu) / |y|, ±20)), C), one weight per sequence: the
+                geometric mean of its token ratios, (π_old(y)/μ(y))^(1/|y|), length-normalised as
+                GSPO's s_i is (the correction for ratio_level=sequence; seq_is's truncated product
+                falls with length: mean weight 0.95 / 0.60 / 0.16 at 100 / 1,000 / 4,000 tokens for a
+                per-token log-ratio spread of 0.05, geo_is's stays at 1)
     mis         w = ρ · 1[lo ≤ ρ ≤ hi]   (tokens outside the window are dropped; the normaliser
                                           keeps them, so dropping never up-weights the rest)
     ppo_is      w = 1, r = exp(logp − mu)
@@ -67,7 +72,8 @@ token mean over sequences; constant divides Σ ℓ·mask by sequences × max_len
 
 Metrics: is_ess_raw = (Σρ)² / (n·Σρ²) over the n loss tokens, how far μ is from π_old; is_ess, the
 same on the weights w the loss applies (after truncation / masking; 1 for none and ppo_is), how
-many tokens the update effectively learns from. The sampler/learner gap metrics are reported over
+many tokens the update effectively learns from, and is_ess_len{lo}_{hi}, is_ess over the tokens of the
+responses with lo..hi loss tokens (ESS_LENGTHS), where a sequence weight's dependence on length shows. The sampler/learner gap metrics are reported over
 every loss token and split in two (`mismatch_sums`' `current`): tokens of π_old's own version, where
 a gap is the two engines disagreeing, and stale tokens, where it also holds the policy's drift.
 """
@@ -115,9 +121,12 @@ def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
         lw = torch.where(on, old.detach(), torch.zeros_like(old)).sum(dim=1) - log_mix.to(old.dtype)
         seq = torch.exp(lw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         return seq.clamp(max=cfg.is_cap)[:, None].expand_as(rho), (seq > cfg.is_cap)[:, None] & on
-    if c == "seq_is":
-        # Clamp the sum only: a sequence whose token log-ratios cancel is not a wild sequence.
-        seq = torch.exp(diff.sum(dim=1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    if c in ("seq_is", "geo_is"):
+        # Clamp the sum (or mean) only: a sequence whose token log-ratios cancel is not a wild sequence.
+        log_w = diff.sum(dim=1)
+        if c == "geo_is":
+            log_w = log_w / mask.sum(dim=1).clamp(min=1.0)
+        seq = torch.exp(log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         return seq.clamp(max=cfg.is_cap)[:, None].expand_as(rho), (seq > cfg.is_cap)[:, None] & on
     raise ValueError(f"losses: unknown trainer.correction={c!r}")
 
@@ -293,6 +302,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, n_t
     raise ValueError(f"losses: unknown trainer.aggregation={aggregation!r}")
 
 
+ESS_LENGTHS = (0, 128, 512, 2048)
+"""Lower edges of the response-length buckets (loss tokens per response) of the is_ess_len* metrics."""
+
 MAX_KEYS = ("mismatch_max", "mismatch_cur_max", "mismatch_stale_max")
 """The keys of `mismatch_sums` that are all-reduced with MAX (the others with SUM)."""
 
@@ -323,6 +335,13 @@ def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
         out = {**_gap_sums("", gap, old - mu, mask),
                "rho_sum": rho.sum(), "rho_sq_sum": (rho * rho).sum(),
                "w_sum": w.sum(), "w_sq_sum": (w * w).sum()}
+        length = mask.sum(dim=1)
+        for k, lo in enumerate(ESS_LENGTHS):  # the applied weights by response length
+            hi = ESS_LENGTHS[k + 1] if k + 1 < len(ESS_LENGTHS) else float("inf")
+            inside = ((length >= lo) & (length < hi)).double()[:, None]
+            wk = w * inside
+            out.update({f"ess_len{k}_tokens": (mask * inside).sum(), f"ess_len{k}_w_sum": wk.sum(),
+                        f"ess_len{k}_w_sq_sum": (wk * wk).sum()})
         if current is not None:
             cur = current.to(mask.device).bool()
             out.update(_gap_sums("cur_", gap, old - mu, mask * cur))
@@ -352,7 +371,8 @@ def finalize_mismatch(s: dict[str, float]) -> dict[str, float]:
     mismatch_resp_max / mismatch_resp_mean: mean over responses of the per-response max / mean of
     |p_sampler − p_learner|; mismatch_max: the largest token gap in the batch; kl_sampler_learner:
     k1 estimate of KL(μ ‖ π_old) = E_μ[log μ − log π_old]; is_ess_raw: (Σρ)² / (n·Σρ²) over
-    tokens; is_ess: the same on the applied weights w (0 when the correction zeroed every token).
+    tokens; is_ess: the same on the applied weights w (0 when the correction zeroed every token), and
+    is_ess_len{lo}_{hi} on the tokens of the responses of lo..hi loss tokens (absent for a bucket without any).
     All of these are over every loss token. When the sums carry the split (`current` given to
     `mismatch_sums`), the same four gap metrics over the current-version tokens and over the stale
     ones: mismatch_{cur,stale}_resp_max, mismatch_{cur,stale}_resp_mean, mismatch_{cur,stale}_max,
@@ -372,6 +392,12 @@ def finalize_mismatch(s: dict[str, float]) -> dict[str, float]:
         "is_ess_raw": ess(s["rho_sum"], s["rho_sq_sum"]),
         "is_ess": ess(s["w_sum"], s["w_sq_sum"]),
     }
+    for k, lo in enumerate(ESS_LENGTHS):  # the buckets with tokens
+        n = s.get(f"ess_len{k}_tokens", 0.0)
+        if n > 0:
+            hi = f"{ESS_LENGTHS[k + 1] - 1}" if k + 1 < len(ESS_LENGTHS) else ""
+            sq = s[f"ess_len{k}_w_sq_sum"]
+            out[f"is_ess_len{lo}_{hi}"] = s[f"ess_len{k}_w_sum"] ** 2 / (n * sq) if sq > 0 else 0.0
     for part in ("cur", "stale"):
         if f"{part}_tokens" in s:
             n_seq, n_tok = max(s[f"{part}_seqs"], 1.0), s[f"{part}_tokens"]

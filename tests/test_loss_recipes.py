@@ -225,12 +225,13 @@ def _rebuild(logp, base, adv, w, mask, recipe, lo, hi, norm):
     return -term.sum() / norm
 
 
-def test_gspo_composes_with_sequence_is_and_ppo_is():
-    """seq_is: one truncated weight per sequence on GSPO's term; ppo_is: s_i anchored at the sampler."""
+def test_gspo_composes_with_geometric_is_and_ppo_is():
+    """geo_is: one truncated weight per sequence on GSPO's term, the length-normalised sampler ratio
+    (π_old(y)/μ(y))^(1/|y|) that matches s_i's; ppo_is: s_i anchored at the sampler."""
     logp, old, mu, mask, adv = batch(8, spread=0.05)
     kw = {"clip_eps_low": 0.05, "clip_eps_high": 0.1}
-    c = cfg("gspo", correction="seq_is", **kw)
-    seq_w = torch.exp(((old - mu) * mask).sum(dim=1)).clamp(max=c.is_cap)
+    c = cfg("gspo", correction="geo_is", **kw)
+    seq_w = torch.exp(((old - mu) * mask).sum(dim=1) / mask.sum(dim=1)).clamp(max=c.is_cap)
     want = value_and_grad(lambda: -gspo_J(logp, old, mask, adv, 0.05, 0.1, seq_w=seq_w), logp)
     got = value_and_grad(lambda: ours(c, logp, old, mu, mask, adv)[0], logp)
     assert got[0].item() == pytest.approx(want[0].item(), rel=1e-12)
@@ -248,6 +249,15 @@ def test_sequence_ratio_refuses_token_level_corrections(correction):
         cfg("gspo", correction=correction)
     with pytest.raises(ConfigError, match="trainer.correction.*trainer.ratio_level"):
         cfg("dapo", ratio_level="sequence", correction=correction)
+
+
+@pytest.mark.parametrize("correction", ["seq_is", "mis_balance"])
+def test_sequence_ratio_refuses_the_unnormalised_sequence_weights(correction):
+    """seq_is and mis_balance weigh a sequence by its whole likelihood ratio, a product over its tokens whose
+    truncated weight falls with length; GSPO's ratio is length-normalised (geo_is is its correction)."""
+    with pytest.raises(ConfigError, match="trainer.correction.*trainer.ratio_level.*geo_is"):
+        cfg("gspo", correction=correction)
+    assert cfg("gspo", correction="geo_is").correction == "geo_is"
 
 
 def test_icepop_is_masked_is_with_the_window_half_to_five():
@@ -375,6 +385,7 @@ def test_dapo_preset_turns_dynamic_sampling_on():
 
 @pytest.mark.parametrize("overrides,keys", [
     (["trainer.recipe=gspo"], ("trainer.correction", "trainer.ratio_level")),  # tiny.yaml: correction=tis
+    (["trainer.recipe=gspo", "trainer.correction=seq_is"], ("trainer.correction", "trainer.ratio_level", "geo_is")),
     (["trainer.recipe=cispo", "trainer.ratio_level=sequence", "trainer.correction=none"],
      ("trainer.weight_form", "trainer.ratio_level")),
     (["trainer.recipe=dapo", "trainer.overlong_buffer=8"], ("trainer.overlong_buffer", "generator.max_new_tokens")),

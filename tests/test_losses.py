@@ -19,7 +19,7 @@ from pipeline.config import TrainerConfig
 from pipeline.losses import MAX_KEYS, finalize_mismatch, is_weights, kl_penalty, mismatch_sums, policy_loss
 from pipeline.trainer.parallel import Parallel
 
-MODES = ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is")
+MODES = ("none", "tis", "seq_is", "geo_is", "mis", "ppo_is", "vanilla_is")
 
 
 def clamp20(x: float) -> float:
@@ -29,10 +29,12 @@ def clamp20(x: float) -> float:
 def ref_weights(old, mu, mask, cfg: TrainerConfig):
     """(ρ, w) per token by definition; masked tokens get 0 in both."""
     n, t = len(old), len(old[0])
-    seq_w = []
+    seq_w, geo_w = [], []
     for i in range(n):
         s = sum(old[i][j] - mu[i][j] for j in range(t) if mask[i][j])
         seq_w.append(min(math.exp(clamp20(s)), cfg.is_cap))  # only the sum is clamped
+        k = sum(1 for j in range(t) if mask[i][j])
+        geo_w.append(min(math.exp(clamp20(s / max(k, 1))), cfg.is_cap))  # the geometric mean of the ratios
     rho, w = [[0.0] * t for _ in range(n)], [[0.0] * t for _ in range(n)]
     for i in range(n):
         for j in range(t):
@@ -41,6 +43,7 @@ def ref_weights(old, mu, mask, cfg: TrainerConfig):
             p = math.exp(clamp20(old[i][j] - mu[i][j]))
             rho[i][j] = p
             w[i][j] = {"none": 1.0, "ppo_is": 1.0, "tis": min(p, cfg.is_cap), "vanilla_is": p, "seq_is": seq_w[i],
+                       "geo_is": geo_w[i],
                        "mis": p if cfg.mis_low <= p <= cfg.mis_high else 0.0}[cfg.correction]
     return rho, w
 
@@ -430,3 +433,49 @@ def test_mis_balance_weights_match_a_float64_reference(versions):
     assert torch.allclose(is_weights(old, mu, mask, cfg, one)[0], seq)
     with pytest.raises(ValueError, match="log_mix"):
         is_weights(old, mu, mask, cfg)
+
+
+def test_geo_is_is_the_truncated_geometric_mean_of_a_sequences_ratios():
+    """geo_is: (π_old(y)/μ(y))^(1/|y|), the length-normalised ratio GSPO's s_i is, truncated at C."""
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    mu = -torch.log(torch.tensor([[0.5, 1.0, 3.0, 10.0], [4.0, 4.0, 4.0, 1.0]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float64)
+    w, hit = is_weights(old, mu, mask, TrainerConfig(correction="geo_is", is_cap=2.0))
+    torch.testing.assert_close(w[:, 0], torch.tensor([15.0 ** 0.25, 2.0], dtype=torch.float64))  # 64^(1/3) = 4 -> 2
+    assert hit.tolist() == [[False] * 4, [True, True, True, False]]
+
+
+def test_geo_is_weights_do_not_shrink_with_length_where_seq_is_does():
+    """Tokens from μ with a per-token log-ratio spread of 0.05 (E_μ[π_old/μ] = 1 per token): seq_is's
+    truncated product falls with length (0.95 / 0.60 / 0.16 at 100 / 1,000 / 4,000 tokens, cap 2); the
+    geometric mean stays at 1."""
+    g = torch.Generator().manual_seed(0)
+    means = {}
+    for n in (100, 1000, 4000):
+        x = 0.05 * torch.randn(400, n, generator=g, dtype=torch.float64) - 0.05 ** 2 / 2  # log π_old − log μ
+        mask = torch.ones_like(x)
+        means[n] = [is_weights(x, torch.zeros_like(x), mask, TrainerConfig(correction=c, is_cap=2.0))[0][:, 0].mean().item()
+                    for c in ("seq_is", "geo_is")]
+    assert [means[n][0] for n in (100, 1000, 4000)] == pytest.approx([0.95, 0.60, 0.16], abs=0.02)
+    assert all(means[n][1] == pytest.approx(1.0, abs=2e-3) for n in means)
+
+
+def test_is_ess_by_response_length_by_hand():
+    """is_ess_len{lo}_{hi}: the ESS of the applied weights over the tokens of responses whose loss-token
+    count falls in [lo, hi] (buckets 0-127, 128-511, 512-2047, 2048 on); absent for a bucket without any."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 130, 140, 600]
+    t = max(lengths)
+    old = -torch.rand(len(lengths), t, generator=g, dtype=torch.float64)
+    mu = old + 0.3 * torch.randn(len(lengths), t, generator=g, dtype=torch.float64)
+    mask = torch.zeros_like(old)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    cfg = TrainerConfig(correction="tis", is_cap=1.5)
+    m = finalize_mismatch({k: v.item() for k, v in mismatch_sums(old, mu, mask, cfg).items()})
+    _, w = ref_weights(old.tolist(), mu.tolist(), mask.tolist(), cfg)
+    rows = {"0_127": [0], "128_511": [1, 2], "512_2047": [3]}
+    for name, idx in rows.items():
+        want = ref_ess([w[i][j] for i in idx for j in range(lengths[i])])
+        assert m[f"is_ess_len{name}"] == pytest.approx(want, rel=1e-12), name
+    assert "is_ess_len2048_" not in m

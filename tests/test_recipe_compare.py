@@ -51,7 +51,7 @@ def test_a_recipe_needing_another_correction_gets_it():
         cfg = load_config(REPO / recipe_compare.CONFIG, [f"trainer.recipe={recipe}", *needs])
         assert cfg.trainer.recipe == recipe
     with pytest.raises(Exception, match="correction"):
-        load_config(REPO / recipe_compare.CONFIG, ["trainer.recipe=gspo"])  # why gspo needs seq_is here
+        load_config(REPO / recipe_compare.CONFIG, ["trainer.recipe=gspo"])  # why gspo needs geo_is here
 
 
 def test_an_earlier_reports_one_run_entry_stands_in_for_that_run_exactly(tmp_path):

@@ -7,9 +7,9 @@ length, entropy and what each recipe's parts did.
 
 Each (recipe, seed) is a whole CLI run (`python -m pipeline.run --config configs/smollm2-135m-add.yaml
 trainer.recipe=R run.seed=S run.steps=N ...`), one after another (they would share the cores), into
---out/R-sS. A recipe's own needs come with it: `gspo` runs with `trainer.correction=seq_is` (the
+--out/R-sS. A recipe's own needs come with it: `gspo` runs with `trainer.correction=geo_is` (the
 config's token-level `tis` is refused with a sequence-level ratio), `dapo` with
-`buffer.zero_signal=drop` (its dynamic sampling); every other recipe with `buffer.zero_signal=keep`
+`buffer.zero_signal=drop` (its dynamic sampling, named here since the base sets keep); every other recipe with `buffer.zero_signal=keep`
 (not auto, whose choice may differ per run), so the recipes differ in their loss alone. Every run
 has the same batch (4 groups of 8), so equal steps are equal trained samples. `--recorded LABEL=DIR,DIR` adds finished runs of the same
 config (their rows up to --steps; a directory or its metrics .jsonl), e.g. the three seeds of the
@@ -41,7 +41,7 @@ from task_sweep import run_cli  # noqa: E402
 from pipeline.driver.metrics import read_jsonl  # noqa: E402
 
 CONFIG = "configs/smollm2-135m-add.yaml"
-NEEDS = {"gspo": ["trainer.correction=seq_is"], "dapo": ["buffer.zero_signal=drop"]}
+NEEDS = {"gspo": ["trainer.correction=geo_is"], "dapo": ["buffer.zero_signal=drop"]}
 BASE = ["buffer.zero_signal=keep"]
 """Every recipe's runs, before its NEEDS (module docstring)."""
 """What a recipe needs beside its preset on this config (module docstring)."""

@@ -50,8 +50,9 @@ RECIPES: dict[str, dict] = {
 }
 """trainer.recipe -> the parts it sets (docs/training.md "Loss recipes"); a part it leaves out takes NO_PRESET's."""
 
-SEQUENCE_CORRECTIONS = ("none", "seq_is", "mis_balance", "ppo_is")
-"""Off-policy corrections that compose with trainer.ratio_level=sequence (one weight per sequence, or none)."""
+SEQUENCE_CORRECTIONS = ("none", "geo_is", "ppo_is")
+"""Off-policy corrections that compose with trainer.ratio_level=sequence: one length-normalised weight per
+sequence (geo_is, as GSPO's s_i is normalised), s_i anchored at the sampler (ppo_is), or none."""
 
 
 @dataclass
@@ -129,12 +130,15 @@ class TrainerConfig:
     """Recipe part. Weight of the task's group advantage in every token's advantage (>= 0; 1; opd: 0,
     distillation alone). The reward is still computed, logged and evaluated."""
     minibatches: int = 1
-    """Optimizer steps per batch per epoch: the batch's rows split into this many minibatches
-    (1..1024, at most the batch's sample count buffer.batch_groups * buffer.group_size)."""
+    """Optimizer steps per batch per epoch: the batch's rows split into this many near-equal minibatches
+    (1..1024, at most the batch's sample count buffer.batch_groups * buffer.group_size). Above 1 the rows
+    are shuffled anew each epoch, row by row, by a permutation drawn from run.seed and the policy version
+    (the same on every trainer rank and in a rerun)."""
     epochs: int = 1
     """Passes over the batch (1..100); π_old stays the policy from before the batch's first step."""
     correction: str = "tis"
-    """Off-policy correction: none | tis | seq_is | mis (masked IS) | icepop (mis with the window [0.5, 5]) | mis_balance (multiple IS with the
+    """Off-policy correction: none | tis | seq_is | geo_is (seq_is's geometric mean: the length-normalised
+    sequence weight, GSPO's) | mis (masked IS) | icepop (mis with the window [0.5, 5]) | mis_balance (multiple IS with the
     balance heuristic, for consistent rollouts: generator.on_update=drain or run.mode=sync, and
     generator.carry_over=keep; keeps max_staleness policy snapshots on the trainer) | ppo_is | vanilla_is."""
     is_cap: float = 2.0
@@ -245,13 +249,14 @@ class TrainerConfig:
         check(1 <= self.minibatches <= 1024, "trainer.minibatches", self.minibatches, "1..1024")
         check(1 <= self.epochs <= 100, "trainer.epochs", self.epochs, "1..100")
         choice("trainer.correction", self.correction,
-               ("none", "tis", "seq_is", "mis", "icepop", "mis_balance", "ppo_is", "vanilla_is"))
+               ("none", "tis", "seq_is", "geo_is", "mis", "icepop", "mis_balance", "ppo_is", "vanilla_is"))
         if self.ratio_level == "sequence":
             check(self.correction in SEQUENCE_CORRECTIONS, "trainer.correction", self.correction,
                   f"one of {', '.join(SEQUENCE_CORRECTIONS)} with trainer.ratio_level='sequence' (recipe "
                   f"{self.recipe!r}): a per-token weight on a sequence-level ratio reweights the tokens of one "
-                  "sequence unevenly, which is neither GSPO nor an importance-sampling correction of it; "
-                  "seq_is / mis_balance give one weight per sequence")
+                  "sequence unevenly, and seq_is / mis_balance weigh a sequence by its whole likelihood ratio, "
+                  "whose truncated weight falls with length, where GSPO's ratio is length-normalised; "
+                  "geo_is is the length-normalised sequence weight")
             check(self.weight_form == "ppo", "trainer.weight_form", self.weight_form,
                   "'ppo' with trainer.ratio_level='sequence' (CISPO's weight is per token)")
         check(self.is_cap >= 1, "trainer.is_cap", self.is_cap, ">= 1")
