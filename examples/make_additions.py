@@ -4,8 +4,9 @@
 
 Each row is {"question": "What is 17 + 25? Put the final answer in \\boxed{}.", "answer": "42"}: the
 dataset task (pipeline/tasks/dataset.py) reads `question` as a user turn through the checkpoint's chat
-template (task.apply_chat_template=true) and grades the completion's last \\boxed{} (or last number)
-against `answer` with math-verify (pipeline.tasks.graders.math).
+template (task.apply_chat_template=true) and grades the completion's last \\boxed{} against `answer`
+with math-verify (pipeline.tasks.graders.math; configs/smollm2-135m-add.yaml takes the last number of a
+completion without a box too: pipeline.tasks.graders.math_last_number).
 
 Operands are 10..99 (sums 20..198). The phrasing varies over a few templates that all state the answer
 format. The held-out file takes its pairs first and the train file never uses them in either order, so

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import datasets
 import pytest
+import yaml
 
 from pipeline.config import ConfigError, TaskConfig, load_config
 from pipeline.driver.evaluation import at_k, pass_at_k
 from pipeline.generator.rewards import RewardScorer
 from pipeline.tasks import RewardRejected, TaskError, load_task, open_task, take
 from pipeline.tasks import graders
-from pipeline.tasks.graders import completion_answer, final_answer, load_grader
+from pipeline.tasks.graders import completion_answer, final_answer, last_boxed, load_grader
 
 from .conftest import REPO
 
@@ -63,13 +64,30 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     ("first 3, then 5, finally 8", "3", 0.0),
     ("Half of 48 is 48/2=24.\n#### 24", "Half of 48 is 48/2=24.\n#### 24", 1.0),  # a GSM8K solution itself
     ("\\boxed{12", "12", 1.0),  # a box cut off by the token budget: the last number
+    ("She has 17 left, 6 fewer than the 23 she picked.", "17", 0.0),  # a number after the answer: misread
     ("I do not know.", "7", 0.0),  # no answer at all
     ("", "7", 0.0),
     ("\\boxed{}", "3", 0.0),
     ("\\boxed{\\text{seven}}", "7", 0.0),
 ])
-def test_math_grader_reads_the_boxed_or_last_number_and_compares_it_as_math(completion, reference, want):
+def test_math_last_number_grader_reads_the_boxed_or_last_number_and_compares_it_as_math(completion, reference, want):
+    assert graders.math_last_number(completion, reference) == want
+    # math reads the boxed answer alone: the same, where the completion has one
+    assert graders.math(completion, reference) == (want if last_boxed(completion) is not None else 0.0)
+
+
+@pytest.mark.parametrize("completion, reference, want", [
+    ("She has \\boxed{17} left, 6 fewer than the 23 she picked.", "17", 1.0),  # a number after the box
+    ("She has 17 left, 6 fewer than the 23 she picked.", "17", 0.0),  # no box: no answer, not the 23
+    ("first 3, then 5, finally 8", "8", 0.0),
+    ("So they have 1,000 stamps.", "#### 1000", 0.0),
+    ("Half of 48 is 48/2=24.\n#### 24", "#### 24", 0.0),  # GSM8K's own marks are not the stated format
+    ("\\boxed{12", "12", 0.0),  # a box cut off by the token budget
+    ("\\boxed{3} at first, then \\boxed{1,000}.", "1000", 1.0),
+])
+def test_math_grader_reads_only_the_last_boxed_answer(completion, reference, want):
     assert graders.math(completion, reference) == want
+    assert load_grader("pipeline.tasks.graders.math_last_number") is graders.math_last_number
 
 
 def test_answers_are_taken_from_the_last_box_and_the_last_hash_marks():
@@ -158,10 +176,11 @@ def test_the_example_files_load_and_every_solution_is_a_full_reward_demonstratio
     room = GeneratorConfig().max_model_len - GeneratorConfig().max_new_tokens
     for item in train + ev:
         demo = task.demonstration(item)
-        assert demo == item.answer and re.search(r"\n#### -?[\d.]+$", demo), demo
-        assert task.reward(item.prompt, demo) == 1.0
-        assert task.reward(item.prompt, f"\\boxed{{{final_answer(demo)}}}") == 1.0
-        assert task.reward(item.prompt, f"\\boxed{{{final_answer(demo)}1}}") == 0.0
+        # the solution, its `#### N` line stated as the math grader reads an answer
+        assert demo == f"{item.answer.rpartition('####')[0].rstrip()}\n\\boxed{{{final_answer(item.answer)}}}", demo
+        assert task.reward(item.prompt, demo) == 1.0 and task.reward(item.prompt, item.answer) == 0.0
+        assert task.reward(item.prompt, f"\\boxed{{{final_answer(item.answer)}}}") == 1.0
+        assert task.reward(item.prompt, f"\\boxed{{{final_answer(item.answer)}1}}") == 0.0
         assert len(item.prompt) < room  # the tiny tokenizer: one token per character
     with pytest.raises(RewardRejected, match="reward_raised.*in neither task.path nor task.eval_path"):
         task.reward("How many moons?", "1")
@@ -188,8 +207,8 @@ def test_columns_are_named_in_config_and_without_a_solution_column_there_is_no_d
     items = take(task, 0, "train", 9)
     # numbers become strings; a float column makes 5 into 5.0, which the math grader finds equal to 5
     assert [(i.prompt, i.answer) for i in items] == [("What is 2+3?", "5.0"), ("What is 6/4?", "1.5")]
-    assert task.demonstration(items[0]) == "2 + 3 = 5" and task.reward("What is 2+3?", "2 + 3 = 5") == 1.0
-    assert task.reward("What is 6/4?", "it is 3/2") == 1.0
+    assert task.demonstration(items[0]) == "2 + 3 = 5" and task.reward("What is 2+3?", "2 + 3 = \\boxed{5}") == 1.0
+    assert task.reward("What is 6/4?", "it is \\boxed{3/2}") == 1.0 and task.reward("What is 6/4?", "it is 3/2") == 0.0
     assert dataset_task(f, prompt_column="problem", answer_column="final").demonstration is None
     exact = dataset_task(f, prompt_column="problem", answer_column="solution", grader="pipeline.tasks.graders.exact")
     assert exact.reward("What is 2+3?", "2 + 3 = 5") == 1.0 and exact.reward("What is 2+3?", "5") == 0.0
@@ -241,6 +260,41 @@ def test_apply_chat_template_sends_a_string_column_as_one_user_message(tmp_path)
     chat = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 1+1?"}]
     msgs = write_jsonl(tmp_path / "chat.jsonl", [{"question": chat, "answer": "2"}])
     assert take(dataset_task(msgs, apply_chat_template=True), 0, "train", 9)[0].prompt == chat  # kept as given
+
+
+def test_task_instruction_states_the_answer_format_after_every_prompt(tmp_path):
+    f = write_jsonl(tmp_path / "q.jsonl", [{"question": "What is 2+3?", "answer": "5"}])
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+1?"}]
+    msgs = write_jsonl(tmp_path / "chat.jsonl", [{"question": chat, "answer": "2"}])
+    say = "Put the final answer in \\boxed{}."
+    (item,) = take(dataset_task(f, instruction=say), 0, "train", 9)
+    assert item.prompt == "What is 2+3? Put the final answer in \\boxed{}."
+    (item,) = take(dataset_task(f, instruction=say, apply_chat_template=True), 0, "train", 9)
+    assert item.prompt == [{"role": "user", "content": "What is 2+3? Put the final answer in \\boxed{}."}]
+    task = dataset_task(msgs, instruction=say)
+    (item,) = take(task, 0, "train", 9)
+    assert item.prompt == [chat[0], {"role": "user", "content": f"What is 1+1? {say}"}]  # the last user turn
+    assert task.reward(item.prompt, "\\boxed{2}") == 1.0
+    assert chat[1]["content"] == "What is 1+1?"  # the file's messages are not changed in place
+
+
+def dataset_recipes() -> list[Path]:
+    return sorted(p for p in (REPO / "configs").glob("*.yaml")
+                  if (yaml.safe_load(p.read_text()).get("task") or {}).get("name") == NAME)
+
+
+@pytest.mark.parametrize("recipe", dataset_recipes(), ids=lambda p: p.name)
+def test_a_recipe_graded_on_the_boxed_answer_asks_for_it_in_every_prompt(recipe, monkeypatch):
+    """The math grader reads the last \\boxed{} alone, so each prompt of a recipe that uses it says to
+    box the answer (the data's own words or task.instruction); a recipe that scores the last number
+    without a box names pipeline.tasks.graders.math_last_number."""
+    monkeypatch.chdir(REPO)  # task.path is relative to the repository root
+    cfg = TaskConfig(**yaml.safe_load(recipe.read_text())["task"])
+    assert cfg.grader in ("pipeline.tasks.graders.math", "pipeline.tasks.graders.math_last_number"), cfg.grader
+    task = open_task(cfg, evaluate=True)
+    for item in take(task, 0, "train", 1000) + take(task, 0, "eval", 1000):
+        text = item.prompt if isinstance(item.prompt, str) else item.prompt[-1]["content"]
+        assert "\\boxed{}" in text, (recipe.name, text)
 
 
 def test_only_local_files_in_known_formats_are_read(tmp_path):

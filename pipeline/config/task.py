@@ -116,7 +116,14 @@ class TaskConfig:
     string prompt is tokenized as it is."""
     grader: str = "pipeline.tasks.graders.math"
     """pipeline.tasks.dataset: dotted path of `grade(completion, reference) -> float` (pipeline/tasks/graders.py:
-    math, the boxed or last number checked with math-verify; exact, the exact string)."""
+    math, the last \\boxed{} checked with math-verify, so the prompts must ask for it (the data's own
+    words or task.instruction); math_last_number, the same but a completion without a box is read for
+    its last number; exact, the exact string)."""
+    instruction: str = ""
+    """pipeline.tasks.dataset: a sentence written after every prompt (after a space; for chat messages,
+    at the end of the last user message) that states the answer format the grader reads, as
+    "Put the final answer in \\boxed{}." for the math grader on GSM8K, whose questions state none;
+    empty: the prompts as the files hold them."""
     reward_timeout_s: float = 30.0
     """Seconds one reward call may run (> 0); past it the sample is rejected as reward_timeout."""
     reward_workers: int = 4

@@ -18,11 +18,17 @@ the warm start its solutions. A missing column fails at load naming the file and
 has; a bad value (a missing or non-string prompt, a missing answer) names the file and row (rows
 count from 0, as `dataset[i]`). A prompt is a string or a list of chat messages (checked like the JSONL
 task's); with `task.apply_chat_template` a string becomes one user message, so an instruct checkpoint gets
-a plain question column (GSM8K's) through its chat template.
+a plain question column (GSM8K's) through its chat template. `task.instruction` (default empty) is
+written after every prompt (after a space; a chat prompt: at the end of its last user message) to
+state the answer format the grader reads, for data whose questions state none (GSM8K's: "Put the
+final answer in \\boxed{}." for the math grader).
 
 Reward: the grader (`task.grader`, default pipeline.tasks.graders.math) of the completion against
 the prompt's reference, looked up by prompt, so a prompt has one reference across both files (a
 repeat with the same one is kept, another fails at load naming both rows): pipeline/tasks/answers.py.
+With a math grader (math, math_last_number), a demonstration that ends in GSM8K's `#### N` line has
+that line written as `\\boxed{N}` (graders.boxed_solution), the answer the grader reads, so the warm
+start teaches the format the reward scores.
 The files are read once per process (`datasets` caches the Arrow conversion under HF_DATASETS_CACHE).
 """
 
@@ -34,6 +40,7 @@ import datasets
 
 from pipeline.config import TaskConfig
 from pipeline.tasks import TaskError
+from pipeline.tasks import graders
 from pipeline.tasks.graders import Grader, load_grader
 from pipeline.tokens import PromptError, check_messages
 from pipeline.tasks.answers import AnswerSplits
@@ -54,7 +61,8 @@ def from_config(cfg: TaskConfig) -> "DatasetTask":
     columns = {"task.prompt_column": cfg.prompt_column, "task.answer_column": cfg.answer_column}
     if cfg.solution_column:
         columns["task.solution_column"] = cfg.solution_column
-    return DatasetTask(cfg.path, cfg.eval_path, columns, load_grader(cfg.grader), cfg.apply_chat_template)
+    return DatasetTask(cfg.path, cfg.eval_path, columns, load_grader(cfg.grader), cfg.apply_chat_template,
+                       cfg.instruction)
 
 
 def load(path: Path) -> datasets.Dataset:
@@ -73,10 +81,23 @@ def load(path: Path) -> datasets.Dataset:
             datasets.enable_progress_bars()
 
 
-def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0, chat: bool = False) -> list[Row]:
+def instructed(prompt: Prompt, instruction: str) -> Prompt:
+    """`prompt` with `instruction` written after it (module docstring); a copy, never in place."""
+    if not instruction:
+        return prompt
+    if isinstance(prompt, str):
+        return f"{prompt} {instruction}"
+    last = max((i for i, m in enumerate(prompt) if m["role"] == "user"), default=None)
+    if last is None:  # no user turn: the instruction is one
+        return [*prompt, {"role": "user", "content": instruction}]
+    return [{**m, "content": f"{m['content']} {instruction}"} if i == last else m for i, m in enumerate(prompt)]
+
+
+def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0, chat: bool = False,
+              instruction: str = "") -> list[Row]:
     """(item, solution or None, where) per row of `path`; `columns` maps config key -> column name
     (prompt, answer and optionally solution, in that order); `chat`: a string prompt becomes one user
-    message. TaskError names the file and row."""
+    message; `instruction` is written after each prompt (`instructed`). TaskError names the file and row."""
     path = Path(path)
     ds = load(path)
     missing = [f"{c!r} ({key})" for key, c in columns.items() if c not in ds.column_names]
@@ -106,6 +127,7 @@ def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0, cha
         if len(names) > 2 and not isinstance(solution, str):
             raise TaskError(f"{at}: column {names[2]!r} must hold a solution string, got "
                             f"{type(solution).__name__} {solution!r}")
+        prompt = instructed(prompt, instruction)
         if chat and isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         cols = tuple((c, str(extra[c][i])) for c in others
@@ -116,14 +138,16 @@ def read_rows(path: str | Path, columns: dict[str, str], first_uid: int = 0, cha
 
 class DatasetTask:
     def __init__(self, path: str | Path, eval_path: str | Path, columns: dict[str, str], grader: Grader,
-                 chat: bool = False):
-        train = read_rows(path, columns, chat=chat)
-        evals = read_rows(eval_path, columns, first_uid=len(train), chat=chat) if eval_path else []
+                 chat: bool = False, instruction: str = ""):
+        train = read_rows(path, columns, chat=chat, instruction=instruction)
+        evals = read_rows(eval_path, columns, first_uid=len(train), chat=chat, instruction=instruction) \
+            if eval_path else []
         self.grade = grader
         self.splits = AnswerSplits(NAME, [(i, at) for i, _, at in train], [(i, at) for i, _, at in evals])
         self.prompts = self.splits.prompts
         if "task.solution_column" in columns:  # only then: the warm start asks for demonstration()
-            self._solutions = [s for _, s, _ in train + evals]  # by uid
+            boxed = grader in (graders.math, graders.math_last_number)  # the answer as the grader reads it
+            self._solutions = [graders.boxed_solution(s) if boxed else s for _, s, _ in train + evals]  # by uid
             self.demonstration = self._demonstration
 
     def reward(self, prompt: Prompt, completion: str) -> float:

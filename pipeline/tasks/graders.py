@@ -4,14 +4,19 @@
     from pipeline.tasks.graders import load_grader
     grade = load_grader("pipeline.tasks.graders.math")
     grade("3 + 4 = 7, so she has \\boxed{7} apples.", "She has 3 + 4 = 7.\\n#### 7")   # 1.0
+    grade("3 + 4 = 7, so she has 7 apples.", "#### 7")                               # 0.0: no box
 
 A reference may be a bare answer (`72`, `\\frac{1}{2}`) or a GSM8K-style solution ending in
 `#### 72`: the text after the last `####` is the answer (`final_answer`).
 
-`math`: the completion's answer is the content of its last complete `\\boxed{...}`, or, when it
-has none, its last number (`1,000`, `-3`, `0.5`, `1/2`; thousands commas dropped); it scores 1.0
-when math-verify (`parse`, `verify`) finds it equal to the reference's answer (so `1,000` = `1000`,
-`0.5` = `1/2` = `\\frac{1}{2}`, `18` = `\\$18`), else 0.0; a completion with no answer scores 0.0.
+`math`: the completion's answer is the content of its last complete `\\boxed{...}`, the format the
+prompt asks for (the data's own words, or task.instruction: "Put the final answer in \\boxed{}.");
+a completion without one has no answer and scores 0.0, whatever numbers it holds. The answer scores
+1.0 when math-verify (`parse`, `verify`) finds it equal to the reference's answer (so `1,000` =
+`1000`, `0.5` = `1/2` = `\\frac{1}{2}`, `18` = `\\$18`), else 0.0.
+`math_last_number`: the same, but a completion without a box is read for its last number (`1,000`,
+`-3`, `0.5`, `1/2`; thousands commas dropped). Named only where a run wants that: a number written
+after the answer (a check, a restated quantity) is then taken for it.
 A reference math-verify cannot parse (an empty one, `#### ` with nothing after it) raises ValueError:
 the reward path rejects it as reward_raised (task.max_reject_frac) instead of scoring it 0. Words
 parse as products of symbols, so a text answer is compared as such: use `exact` for text.
@@ -32,7 +37,8 @@ from math_verify import LatexExtractionConfig, parse, verify
 
 from pipeline.tasks import TaskError
 
-__all__ = ["Grader", "math", "exact", "final_answer", "completion_answer", "load_grader"]
+__all__ = ["Grader", "math", "math_last_number", "exact", "final_answer", "completion_answer", "last_boxed",
+           "boxed_solution", "load_grader"]
 
 Grader = Callable[[str, str], float]
 
@@ -79,9 +85,18 @@ def last_number(text: str) -> str | None:
 
 
 def completion_answer(completion: str) -> str | None:
-    """What `math` grades: the last boxed content, else the last number, else None."""
+    """What `math_last_number` grades: the last boxed content, else the last number, else None."""
     boxed = last_boxed(completion)
     return boxed if boxed is not None else last_number(completion)
+
+
+def boxed_solution(solution: str) -> str:
+    """A GSM8K-style worked solution with its final `#### N` line written as `\\boxed{N}`, the answer
+    the math graders read (what a warm start on it teaches); a solution without `####` as it is."""
+    if "####" not in solution:
+        return solution
+    steps = solution.rpartition("####")[0].rstrip()
+    return f"{steps}\n{BOXED}{{{final_answer(solution)}}}" if steps else f"{BOXED}{{{final_answer(solution)}}}"
 
 
 def _parse(answer: str) -> list:
@@ -89,16 +104,27 @@ def _parse(answer: str) -> list:
     return parse(f"${BOXED}{{{answer}}}$", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
 
 
-def math(completion: str, reference: str) -> float:
+def _same(got: str | None, reference: str) -> float:
+    """1.0 when math-verify finds answer `got` equal to the reference's answer; ValueError when the
+    reference has none it can parse."""
     ref = final_answer(reference)
     gold = _parse(ref.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", ref) else ref)
     if not gold:
         raise ValueError(f"math grader: cannot parse the reference answer {ref[:80]!r}")
-    got = completion_answer(completion)
     if got is None:
         return 0.0
     pred = _parse(got)
     return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+def math(completion: str, reference: str) -> float:
+    """The last complete \\boxed{} against the reference; no box, no answer (module docstring)."""
+    return _same(last_boxed(completion), reference)
+
+
+def math_last_number(completion: str, reference: str) -> float:
+    """`math`, reading a completion without a box for its last number (module docstring)."""
+    return _same(completion_answer(completion), reference)
 
 
 def exact(completion: str, reference: str) -> float:
