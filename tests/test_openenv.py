@@ -315,3 +315,31 @@ def test_cli_run_serves_the_environment_survives_its_server_killed_and_stalled_a
     lost = sum(m.get(f"rejected/{r}", 0) for m in metrics for r in ("env_unreachable", "env_timeout", "env_raised"))
     assert lost >= 1  # the killed and the stalled server's episodes, each failed alone
     assert subprocess.run(["pgrep", "-f", f"openenv_server {KEYVAULT} --port {now['port']}"]).returncode == 1
+
+
+def test_a_served_environment_ends_when_its_run_is_killed(tmp_path):
+    """The run's own server (serve=local) is given the run's pid: when the run dies by SIGKILL, with no
+    chance to stop it, the server exits by itself within seconds instead of outliving it."""
+    code = textwrap.dedent(f'''
+        import os, socket, subprocess, sys, time
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        p = subprocess.Popen([sys.executable, "-m", "pipeline.tasks.openenv_server", "{KEYVAULT}", "--port", str(port),
+                              "--parent-pid", str(os.getpid())], start_new_session=True)
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close(); break
+            except OSError:
+                time.sleep(0.2)
+        print(p.pid, flush=True)
+        os.kill(os.getpid(), 9)
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    server = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{server}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    gone = not Path(f"/proc/{server}").exists()
+    if not gone:
+        os.kill(server, signal.SIGKILL)
+    assert gone, "the server outlived its run"

@@ -560,7 +560,8 @@ class LocalServer:
         log = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.tasks.openenv_server", self.tc.openenv.env,
-                                      "--port", str(self.port), "--max-concurrent", str(self.sessions)],
+                                      "--port", str(self.port), "--max-concurrent", str(self.sessions),
+                                      "--parent-pid", str(os.getpid())],
                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True, env=env)
         log.close()

@@ -22,6 +22,19 @@ def observation_class(env_cls: typing.Any) -> typing.Any:
     return model_class(env_cls, Observation, "return") or Observation
 
 
+def watch_parent(pid: int, period_s: float = 1.0) -> None:
+    """A daemon thread that ends this server once process `pid` has exited (its parent is then init)."""
+    import os
+    import threading
+    import time
+
+    def run() -> None:
+        while os.getppid() == pid:
+            time.sleep(period_s)
+        os._exit(0)
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
 def build_app(path: str, max_concurrent: int):
     from openenv.core.env_server import create_app
     from pipeline.tasks.openenv import _action_class, _environment_class
@@ -36,8 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("env", help="dotted path of an openenv Environment subclass")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--max-concurrent", type=int, default=64)
+    p.add_argument("--parent-pid", type=int, default=0,
+                   help="exit when this process (the run) is gone, however it ended (a kill -9 included)")
     a = p.parse_args(argv)
     import uvicorn
+
+    if a.parent_pid:
+        watch_parent(a.parent_pid)
 
     uvicorn.run(build_app(a.env, a.max_concurrent), host="127.0.0.1", port=a.port, log_level="warning",
                 ws_max_size=64 * 1024 * 1024)
