@@ -279,6 +279,7 @@ def test_cli_run_serves_the_environment_survives_its_server_killed_and_stalled_a
     p = subprocess.Popen([sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml",
                           "task.name=pipeline.tasks.openenv", f"task.openenv.env={KEYVAULT}", "task.openenv.serve=local",
                           "task.openenv.chat=false", "task.openenv.demonstration=examples.envs.keyvault.demonstration",
+                          "run.warm_start_steps=10",
                           "task.max_turns=2", "task.max_total_tokens=24", f"run.steps={steps}", "run.eval_every=100",
                           "task.eval_prompts=16", "run.checkpoint_every=0", "run.progress=false", "task.env_timeout_s=4",
                           "task.max_reject_frac=0.5", f"run.out_dir={out}"],
