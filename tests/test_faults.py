@@ -28,7 +28,7 @@ from pipeline.generator.rewards import REJECT_MIN_SAMPLES, REJECT_WINDOW, Reward
 from pipeline.tasks import RewardRejected, Task, check_reward
 from pipeline.trainer.errors import (EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError, TooManySkippedSteps,
                                      skipped_step_error)
-from pipeline.trainer.step import TrainCore
+from pipeline.trainer.step import TrainCore, minibatch_rows
 from pipeline.types import PromptItem, Rollout
 
 from .conftest import REPO
@@ -286,7 +286,10 @@ def test_minibatch_step_before_a_nonfinite_one_stays_applied_and_counts_as_skipp
     """Documented choice: minibatch 1's update stays, minibatch 2's non-finite step is not applied,
     the version stays and the step is skipped (its batch goes back); the next batch trains normally."""
     core = TrainCore(Config(model=tcfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2)))
-    b = make_batch(core.model, adv=torch.tensor([1.0, -1.0, 0.5, -0.5, 3e38, 3e38]))
+    first, _ = minibatch_rows(6, 2, 1, core.cfg.run.seed, core.version)[0]
+    adv = torch.full((6,), 3e38)  # finite, but the second minibatch's loss overflows
+    adv[first] = torch.tensor([1.0, -1.0, 0.5])
+    b = make_batch(core.model, adv=adv)
     before = weights(core)
     with pytest.raises(NonFiniteLossError, match="1 earlier optimizer step"):
         core.train_step(b)

@@ -15,7 +15,7 @@ from pipeline.losses import policy_loss
 from pipeline.model import token_logprobs
 from pipeline.trainer.errors import BadBatchError, NonFiniteLossError
 from pipeline.trainer.snapshots import Proximal
-from pipeline.trainer.step import TrainCore, minibatch_plan, spans
+from pipeline.trainer.step import TrainCore, minibatch_plan, minibatch_rows, spans
 from pipeline.types import Batch
 
 
@@ -288,8 +288,8 @@ def hand_steps(core: TrainCore, b: Batch, minibatches: int, epochs: int = 1, fix
     mask, mu = b.loss_mask[:, 1:], b.behaviour_logprobs[:, 1:]
     with torch.no_grad():
         old = token_logprobs(core.model, b.input_ids)
-    for _ in range(epochs):
-        for rows in torch.tensor_split(torch.arange(b.num_samples), minibatches):
+    for split in minibatch_rows(b.num_samples, minibatches, epochs, core.cfg.run.seed, core.version):
+        for rows in split:
             if not fixed_old:
                 with torch.no_grad():
                     old = token_logprobs(core.model, b.input_ids)
@@ -416,7 +416,9 @@ def test_nonfinite_later_minibatch_raises_before_its_own_update(cfg):
     """Documented behaviour: the first minibatch's step stays applied, the failing one is not, and
     the version does not advance (nothing is snapshotted; the run is expected to stop)."""
     core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2)))
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 3e38, 3e38])  # finite, but the second minibatch's loss overflows
+    first, _ = minibatch_rows(6, 2, 1, core.cfg.run.seed, core.version)[0]
+    adv = torch.full((6,), 3e38)  # finite, but the second minibatch's loss overflows
+    adv[first] = torch.tensor([1.0, -1.0, 0.5])
     b = make_batch(core.model, adv=adv)
     before = weights(core)
     with pytest.raises(NonFiniteLossError, match="weights not updated by it"):
@@ -553,3 +555,43 @@ def test_dr_grpo_divides_by_the_batchs_rollout_budget(cfg):
     default = cfg.generator.max_new_tokens
     assert loss(0) == pytest.approx(loss(default), rel=1e-6)
     assert loss(4 * default) == pytest.approx(loss(default) / 4, rel=1e-6)
+
+
+def minibatch_log(core: TrainCore) -> list[list[list[int]]]:
+    """Spy on the core's optimizer steps: per train_step, each step's minibatch as sorted real rows."""
+    log: list[list[list[int]]] = []
+    inner = core._ppo_step
+
+    def spy(batch, micro, den, prox, first):
+        if first:
+            log.append([])
+        log[-1].append(sorted(int(i) for rows, keep in micro if keep for i in rows))
+        return inner(batch, micro, den, prox, first)
+    core._ppo_step = spy
+    return log
+
+
+def test_minibatches_are_reshuffled_every_epoch_from_the_seed_and_the_version(cfg):
+    """trainer.minibatches > 1 with several epochs: each epoch splits the batch's rows anew, by a
+    permutation drawn from run.seed and the policy version alone (not the global RNG), so a rerun and
+    every data-parallel rank draw the same minibatches, and the clip sees other neighbours each pass."""
+    def run(seed: int, steps: int = 2) -> list[list[list[int]]]:
+        c = Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2, epochs=3))
+        c.run.seed = seed
+        core = TrainCore(c)
+        log = minibatch_log(core)
+        for v in range(steps):
+            torch.manual_seed(100 + v + seed)  # the global RNG plays no part
+            core.train_step(make_batch(core.model, n=8, seed=v))
+        return log
+
+    a, b, other = run(0), run(0), run(1)
+    assert a == b  # reproducible from the seed
+    for step in a + other:
+        epochs = [step[i:i + 2] for i in range(0, len(step), 2)]
+        assert len(epochs) == 3 and all(sorted(e[0] + e[1]) == list(range(8)) for e in epochs)
+        assert all(len(e[0]) == len(e[1]) == 4 for e in epochs)
+    # contiguous, identical minibatches in every epoch would be [[0..3], [4..7]] three times over
+    assert any(e != [[0, 1, 2, 3], [4, 5, 6, 7]] for step in a for e in (step[0:2], step[2:4], step[4:6]))
+    assert all(len({tuple(map(tuple, step[i:i + 2])) for i in range(0, 6, 2)}) > 1 for step in a)  # epochs differ
+    assert a[0] != a[1] and a != other  # a new draw per version and per seed

@@ -3,9 +3,11 @@ parallel.py builds, with AdamW and the LR schedule; state.py holds its export an
 snapshots.py what a step remembers besides the weights.
 
 PPO minibatches and epochs: one batch is one policy version. log π_old is taken once, with the
-weights from before the batch's first optimizer step; then for each of `trainer.epochs` passes the
-rows `tensor_split(range(N), trainer.minibatches)` each get a forward/backward (accumulated over
-micro-batches of `trainer.micro_batch_size`), a gradient clip and an optimizer step. The PPO ratio
+weights from before the batch's first optimizer step; then each of `trainer.epochs` passes splits
+the rows into `trainer.minibatches` near-equal minibatches by a fresh permutation (`minibatch_rows`:
+drawn from run.seed, the policy version and the epoch, so every rank and a rerun draw the same), and
+each minibatch gets a forward/backward (accumulated over micro-batches of
+`trainer.micro_batch_size`), a gradient clip and an optimizer step. The PPO ratio
 π_θ / π_old leaves 1 after the first of them, which is what makes the clip bite; the IS weight keeps
 correcting μ → π_old with the sampler's logprobs (decoupled objective, see pipeline/losses.py). The
 LR scheduler steps once per optimizer step, so trainer.warmup_steps counts optimizer steps. With
@@ -38,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 
@@ -56,9 +59,26 @@ from pipeline.trainer.state import TrainerState
 from pipeline.types import Batch
 
 
+def minibatch_rows(n: int, minibatches: int, epochs: int, seed: int, version: int) -> list[list[torch.Tensor]]:
+    """Per epoch, the global rows of each of its minibatches: a permutation of range(n), drawn anew
+    each epoch, cut into `minibatches` near-equal parts (`tensor_split`), each in increasing row order.
+    The draws come from a generator seeded with (seed, version) alone, never the global RNG, so every
+    data-parallel rank and a resumed or repeated run get the same minibatches. Rows are shuffled one by
+    one: the advantages are per row already (the buffer's group baselines), and each minibatch's loss
+    denominators are its own. One minibatch: the whole batch in order every epoch (no draw)."""
+    if minibatches == 1:
+        return [[torch.arange(n)] for _ in range(epochs)]
+    # torch's CPU generator keeps 32 bits of its seed: (seed, version) is hashed down to them
+    key = hashlib.blake2b(f"minibatches:{seed}:{version}".encode(), digest_size=4).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+    return [[mb.sort().values for mb in torch.tensor_split(torch.randperm(n, generator=g), minibatches)]
+            for _ in range(epochs)]
+
+
 def minibatch_plan(n: int, minibatches: int, world: int, rank: int, micro_batch_size: int,
-                   lengths: torch.Tensor | None = None) -> Plan:
+                   lengths: torch.Tensor | None = None, split: list[torch.Tensor] | None = None) -> Plan:
     """Per minibatch: (its global row indices, this rank's micro-batches as (rows, weight)).
+    `split`: the minibatches' global rows (`minibatch_rows`); default `tensor_split(range(n), minibatches)`.
 
     Weight 0 marks a padding micro-batch (one dummy row): its count depends only on the global
     minibatch size, so every rank runs the same number of forwards and backwards per step.
@@ -68,7 +88,7 @@ def minibatch_plan(n: int, minibatches: int, world: int, rank: int, micro_batch_
     depend on their order or make-up: the loss denominators are the minibatch's.
     """
     plan = []
-    for mb in torch.tensor_split(torch.arange(n), minibatches):
+    for mb in torch.tensor_split(torch.arange(n), minibatches) if split is None else split:
         rows = torch.tensor_split(mb, world)[rank]
         most = math.ceil(len(mb) / world)
         k = max(1, math.ceil(most / (micro_batch_size or max(most, 1))))
@@ -202,8 +222,12 @@ class TrainCore:
         mask_all = batch.loss_mask[:, 1:].float()
         # rows of like length share a micro-batch, unless trainer.grad_variance compares the micro-batches'
         # gradients, which asks for rows in batch order (length-sorted micro-batches are not random draws)
-        plan = minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank,
-                              t.micro_batch_size, None if t.grad_variance else spans(batch.loss_mask))
+        # one plan per epoch: the rows shuffled into minibatches anew each epoch, the same on every rank
+        lengths = None if t.grad_variance else spans(batch.loss_mask)
+        plans = [minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank,
+                                t.micro_batch_size, lengths, split)
+                 for split in minibatch_rows(batch.num_samples, t.minibatches, t.epochs, self.cfg.run.seed, self.version)]
+        plan = plans[0]
         self.model.train()
         t_start = time.perf_counter()
         ref_s = [0.0]  # the reference model's forwards, wherever they run (π_old's pass or the first step)
@@ -220,8 +244,8 @@ class TrainCore:
                     prox.record(batch, rows, keep, ids, *self._logprobs(batch, rows, "value"))
         t_old, ref_in_old = time.perf_counter(), ref_s[0]
         steps = []
-        for epoch in range(t.epochs):
-            for m, (mb_rows, micro) in enumerate(plan):
+        for epoch, epoch_plan in enumerate(plans):
+            for m, (mb_rows, micro) in enumerate(epoch_plan):
                 den = losses.local_denominators(mask_all[mb_rows])  # the full minibatch: global counts
                 if den[0] == 0:  # no loss tokens: every rank sees that and skips the same step
                     continue
