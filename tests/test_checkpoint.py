@@ -138,22 +138,15 @@ def test_a_checkpoint_without_the_sampling_fingerprint_is_checked_against_its_re
         prepare_resume(load_config(TINY, [*resume, "generator.temperature=0.7"]))
 
 
-def test_cli_resume_with_another_temperature_exits_2_naming_it(tmp_path):
+@pytest.mark.parametrize("override,needle", [
+    ("generator.temperature=0.7", "generator.temperature is 0.7 here, 1.0 in the checkpoint"),
+    ("model.tiny.n_layers=3", "model.tiny.n_layers")], ids=["temperature", "model_shape"])
+def test_cli_resume_with_another_fingerprinted_key_exits_2_before_any_mesh_starts(tmp_path, override, needle):
     write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", str(TINY), f"run.out_dir={tmp_path}",
-                        "run.resume=latest", "generator.temperature=0.7"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
+                        "run.resume=latest", override], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
-    assert "generator.temperature is 0.7 here, 1.0 in the checkpoint" in p.stderr and "mesh" not in p.stderr
-
-
-def test_cli_resume_with_another_model_shape_exits_2_before_any_mesh_starts(tmp_path):
-    write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
-    p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", str(TINY), f"run.out_dir={tmp_path}",
-                        "run.resume=latest", "model.tiny.n_layers=3"], cwd=REPO, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert "model.tiny.n_layers" in p.stderr and "mesh" not in p.stderr
+    assert needle in p.stderr and "mesh" not in p.stderr
 
 
 # ---------------------------------------------------------------------- the buffer's held groups

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -35,36 +34,18 @@ def task_of(*overrides: str):
     return load_task(cfg.task.name, cfg.task)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(env: str, tmp_path: Path, app: str | None = None) -> tuple[subprocess.Popen, str]:
-    """A real server process of `env` (pipeline/tasks/openenv_server.py, or a uvicorn app factory)."""
-    port = free_port()
-    cmd = ([sys.executable, "-m", "uvicorn", "--factory", app, "--port", str(port), "--log-level", "warning"] if app else
-           [sys.executable, "-m", "pipeline.tasks.openenv_server", env, "--port", str(port)])
-    log = open(tmp_path / f"server{port}.log", "w")
-    p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return p, f"http://127.0.0.1:{port}"
-        except OSError:
-            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / f"server{port}.log").read_text()
-            time.sleep(0.2)
+def serve(env: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """A real server process of `env` (pipeline/tasks/openenv_server.py), its output in tmp_path."""
+    from pipeline.tasks.openenv_server import spawn
+    return spawn(env, open(tmp_path / "server.log", "a"))
 
 
 @pytest.fixture
 def servers(tmp_path):
     started: list[subprocess.Popen] = []
 
-    def start(env: str, app: str | None = None) -> tuple[subprocess.Popen, str]:
-        p, url = serve(env, tmp_path, app)
+    def start(env: str) -> tuple[subprocess.Popen, str]:
+        p, url = serve(env, tmp_path)
         started.append(p)
         return p, url
     yield start

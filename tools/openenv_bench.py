@@ -12,10 +12,7 @@ close; a step is one WebSocket round trip. Each repeat runs every path once, in 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,23 +20,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 ENV = "examples.envs.keyvault.KeyVaultEnvironment"
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.tasks.openenv_server", ENV, "--port", str(port)], cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return p, f"http://127.0.0.1:{port}"
-        except OSError:
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.2)
 
 
 def ours(task, items) -> float:
@@ -75,7 +55,9 @@ def main() -> None:
     from pipeline.config import load_config
     from pipeline.tasks import load_task
 
-    proc, url = start_server()
+    from pipeline.tasks.openenv_server import spawn
+
+    proc, url = spawn(ENV)
     try:
         def task(*o):
             cfg = load_config(REPO / "configs/tiny.yaml", ["task.name=pipeline.tasks.openenv", "task.openenv.chat=false", *o])

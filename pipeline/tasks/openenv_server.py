@@ -44,6 +44,37 @@ def build_app(path: str, max_concurrent: int):
                       max_concurrent_envs=max_concurrent)
 
 
+def spawn(env: str, log: typing.Any = None, timeout_s: float = 60.0) -> tuple[typing.Any, str]:
+    """This module's server of `env` as a process of its own on a free loopback port (the repository
+    and the caller's PYTHONPATH on its path), once it accepts connections: (the process, its base URL).
+    For tests and tools; a run's own server is pipeline/tasks/openenv.py's LocalServer."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join([repo, os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.tasks.openenv_server", env, "--port", str(port)], cwd=repo,
+                         stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": path})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return p, f"http://127.0.0.1:{port}"
+        except OSError:
+            if p.poll() is not None or time.monotonic() > deadline:
+                p.kill()
+                raise RuntimeError(f"the server of {env} did not accept connections within {timeout_s:g}s "
+                                   f"(exit code {p.poll()})") from None
+            time.sleep(0.2)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("env", help="dotted path of an openenv Environment subclass")
