@@ -84,7 +84,7 @@ class Job:
         self.eval_curve: list[tuple[int, float, float]] = []  # (step, sampled, greedy); kept in checkpoints
         self.env_server = None  # task.openenv.serve=local: the run's OpenEnv server, up before the task opens
         if cfg.task.openenv.serve == "local":
-            from pipeline.tasks.openenv import LocalServer
+            from pipeline.tasks.openenv_server import LocalServer
             oc = cfg.task.openenv
             sessions = oc.max_concurrent or 4 * cfg.generator.concurrency * cfg.generator.num_generators + 16
             self.placement: dict = {}

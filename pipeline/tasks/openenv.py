@@ -43,11 +43,11 @@ import re
 import threading
 import time
 import typing
-import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from pipeline.config import TaskConfig
-from pipeline.tasks import RewardRejected, TaskError, _resolve, check_reward
+from pipeline.tasks import RewardRejected, TaskError, _resolve
+from pipeline.tasks.openenv_wire import EnvUnreachable, InProcess, Served, checked, first_line
 from pipeline.types import PromptItem
 
 __all__ = ["from_config", "OpenEnvTask", "Episode", "seed_of", "parse_tool_call", "EnvUnreachable"]
@@ -56,17 +56,6 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 OBS_FIELDS = ("prompt", "text", "message", "content", "output", "question", "result")
 TEXT_FIELDS = ("message", "text", "content", "response", "answer", "action", "command", "code")
 RESERVED = ("reward", "done", "metadata")
-
-
-class EnvUnreachable(RewardRejected):
-    """A served environment that refused a session within task.openenv.connect_timeout_s, or dropped it."""
-
-    def __init__(self, message: str):
-        super().__init__("env_unreachable", message)
-
-    def __reduce__(self):
-        return (type(self), (self.message,))
-
 
 def seed_of(base: int, split: str, i: int) -> int:
     """Episode i's seed: train 2i, held-out 2i + 1, offset by the run's task.seed (disjoint splits)."""
@@ -208,130 +197,6 @@ def _environment_class(path: str) -> Any:
     return obj
 
 
-# ---------------------------------------------------------------------- sessions
-
-
-class InProcess:
-    """One environment instance in this process; observations as their wire form (serialize_observation)."""
-
-    def __init__(self, factory: Callable[[], Any], action_cls: Any):
-        self.env, self.action_cls = factory(), action_cls
-
-    def reset(self, seed: int) -> dict:
-        from openenv.core.env_server import serialize_observation
-        return serialize_observation(self.env.reset(seed=seed, episode_id=uuid.uuid4().hex))
-
-    def step(self, payload: dict) -> dict | str:
-        """The observation; a str: the action did not validate (the model's error, shown to it)."""
-        from openenv.core.env_server import deserialize_action, serialize_observation
-        from pydantic import ValidationError
-        try:
-            action = deserialize_action(payload, self.action_cls)
-        except (ValidationError, ValueError) as e:
-            return f"error: invalid action: {_first_line(e)}"
-        return serialize_observation(self.env.step(action))
-
-    def close(self) -> None:
-        close = getattr(self.env, "close", None)
-        if callable(close):
-            close()
-
-
-class Served:
-    """One WebSocket session on a served environment's /ws route (the protocol of openenv's EnvClient:
-    {"type": "reset"|"step"|"close", "data": ...} -> {"type": "observation", "data": {...}})."""
-
-    def __init__(self, url: str, connect_timeout_s: float, timeout_s: float):
-        from websockets.sync.client import connect
-
-        ws_url = re.sub(r"^http", "ws", url.rstrip("/")) + "/ws"
-        self.timeout_s, deadline, last = timeout_s, time.monotonic() + connect_timeout_s, None
-        while True:  # a restarting local server refuses for a second or two
-            try:
-                self.ws = connect(ws_url, open_timeout=max(1.0, min(5.0, deadline - time.monotonic())),
-                                  max_size=64 * 1024 * 1024, proxy=None, close_timeout=2).__enter__()  # closed in close()
-                break
-            except Exception as e:
-                last = e
-                if time.monotonic() >= deadline:
-                    raise EnvUnreachable(f"{ws_url} did not accept a session within task.openenv.connect_timeout_s="
-                                         f"{connect_timeout_s:g}s: {type(e).__name__}: {_first_line(e)}") from None
-                time.sleep(0.2)
-        del last
-
-    def _call(self, message: dict) -> dict:
-        from websockets.exceptions import ConnectionClosed
-        try:
-            try:
-                self.ws.send(json.dumps(message))
-            except ConnectionClosed:
-                pass  # a refused session (at capacity) sends an error frame, then closes: read it
-            raw = self.ws.recv(timeout=self.timeout_s)
-        except ConnectionClosed as e:
-            raise EnvUnreachable(f"the server closed the session during {message['type']}: {_first_line(e)}") from None
-        except TimeoutError:
-            raise RewardRejected("env_timeout", f"the server did not answer {message['type']} within "
-                                 f"task.env_timeout_s={self.timeout_s:g}s") from None
-        try:
-            reply = json.loads(raw)
-        except (TypeError, json.JSONDecodeError):
-            raise RewardRejected("env_bad_observation", f"the server answered {str(raw)[:120]!r}, not JSON") from None
-        if not isinstance(reply, dict):
-            raise RewardRejected("env_bad_observation", f"the server answered {str(raw)[:120]!r}, not a message")
-        return reply
-
-    def reset(self, seed: int) -> dict:
-        reply = self._call({"type": "reset", "data": {"seed": seed, "episode_id": uuid.uuid4().hex}})
-        if reply.get("type") == "error":
-            code = (reply.get("data") or {}).get("code")
-            if code in ("CAPACITY_REACHED", "SESSION_ERROR", "FACTORY_ERROR"):
-                raise EnvUnreachable(f"the server refused the session: {_error_text(reply)}")
-            raise RuntimeError(f"reset failed on the server: {_error_text(reply)}")
-        return reply.get("data")
-
-    def step(self, payload: dict) -> dict | str:
-        reply = self._call({"type": "step", "data": payload})
-        if reply.get("type") == "error":
-            if reply.get("data", {}).get("code") == "VALIDATION_ERROR":
-                return f"error: invalid action: {_error_text(reply)}"
-            raise RuntimeError(f"step failed on the server: {_error_text(reply)}")
-        return reply.get("data")
-
-    def close(self) -> None:
-        try:
-            self.ws.send(json.dumps({"type": "close"}))
-        except Exception:
-            pass
-        self.ws.close()
-
-
-def _error_text(reply: dict) -> str:
-    data = reply.get("data") or {}
-    return f"{data.get('message', data)} ({data.get('code', 'no code')})"
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-
-
-def _checked(obs: Any, what: str) -> tuple[dict, float | None, bool]:
-    """(observation fields, reward, done) of a wire-form observation; RewardRejected (env_bad_observation,
-    or the reward's own reason) if it is not one."""
-    if not isinstance(obs, dict) or not isinstance(obs.get("observation", {}), dict):
-        raise RewardRejected("env_bad_observation", f"{what} returned {str(obs)[:120]!r}, not an observation")
-    reward, done = obs.get("reward"), obs.get("done", False)
-    if reward is not None:
-        if isinstance(reward, bool):
-            reward = float(reward)
-        try:
-            reward = check_reward(reward)
-        except RewardRejected as e:
-            raise RewardRejected(e.reason, f"{what}: the observation's reward {e.message}") from None
-    if not isinstance(done, bool):
-        raise RewardRejected("env_bad_observation", f"{what} returned done={done!r}, not a bool")
-    return obs.get("observation", {}), reward, done
-
-
 # ---------------------------------------------------------------------- the task
 
 
@@ -388,7 +253,7 @@ class OpenEnvTask:
             except Exception as e:
                 if time.monotonic() >= deadline:
                     raise TaskError(f"task.openenv.url={self.oc.url!r}: {url} did not answer within "
-                                    f"task.openenv.connect_timeout_s={self.oc.connect_timeout_s:g}s: {_first_line(e)}") from None
+                                    f"task.openenv.connect_timeout_s={self.oc.connect_timeout_s:g}s: {first_line(e)}") from None
                 time.sleep(0.3)
         if not isinstance(schema, dict) or not isinstance(schema.get("action"), dict):
             raise TaskError(f"task.openenv.url={self.oc.url!r}: {url} is not an OpenEnv server's schema")
@@ -424,11 +289,11 @@ class OpenEnvTask:
     def _first_observation(self, seed: int) -> str:
         sess = self.session(local=True)
         try:
-            obs, _, _ = _checked(sess.reset(seed), "reset")
+            obs, _, _ = checked(sess.reset(seed), "reset")
             if self.tools and self._tools_text is None:
                 listed = sess.step({"type": "list_tools"})
                 with self._lock:
-                    self._tools_text = render_observation(_checked(listed, "list_tools")[0]) if isinstance(listed, dict) else ""
+                    self._tools_text = render_observation(checked(listed, "list_tools")[0]) if isinstance(listed, dict) else ""
             return self.render(obs)
         finally:
             sess.close()
@@ -466,7 +331,7 @@ class Episode:
         self.done = False
         self.sess = task.session()
         try:
-            obs, _, self.done = _checked(self.sess.reset(int(fields["seed"])), "reset")
+            obs, _, self.done = checked(self.sess.reset(int(fields["seed"])), "reset")
             first = task.render(obs)
             if first != fields.get("observation"):
                 raise RewardRejected("env_bad_observation", f"reset(seed={fields['seed']}) gave {first[:80]!r}, not the "
@@ -488,7 +353,7 @@ class Episode:
         if isinstance(out, str):  # the action did not validate: shown to the model, reward 0
             self.turn_rewards.append(0.0)
             return out
-        obs, reward, self.done = _checked(out, "step")
+        obs, reward, self.done = checked(out, "step")
         self.turn_rewards.append(reward)
         return None if self.done else self.task.render(obs)
 
@@ -515,104 +380,3 @@ def from_config(cfg: TaskConfig) -> OpenEnvTask:
         raise TaskError("pipeline.tasks.openenv needs the openenv package: make setup installs it "
                         "(or pip install --no-deps openenv==0.10.0 and its requirements, docs/openenv.md)") from None
     return OpenEnvTask(cfg)
-
-
-# ---------------------------------------------------------------------- serve=local
-
-
-class LocalServer:
-    """task.openenv.serve=local: the run's own server of task.openenv.env (pipeline/tasks/openenv_server.py)
-    on a free loopback port, in a process of its own (its output in out_dir/openenv_server.log).
-    `start` sets task.openenv.url; `watch` restarts a dead server on the same port (the episodes it
-    held fail alone, new ones wait for it within task.openenv.connect_timeout_s), at most
-    task.openenv.max_restarts times; `stop` ends it on every exit path of the run.
-
-        srv = LocalServer(cfg.task, out_dir); srv.start()   # cfg.task.openenv.url = "http://127.0.0.1:PORT"
-        await srv.watch(on_fatal)                           # a task of the driver's loop
-        srv.stop()
-    """
-
-    def __init__(self, tc: TaskConfig, out_dir: str, sessions: int, on_spawn: Callable[[int, int], None] = lambda pid, port: None):
-        import os
-        self.tc, self.out_dir, self.sessions, self.on_spawn = tc, out_dir, sessions, on_spawn
-        self.proc = None
-        self.port = 0
-        self.restarts = 0
-        self.stopping = False
-        self.log_path = os.path.join(out_dir, "openenv_server.log")
-
-    def start(self) -> str:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self._spawn()
-        self.tc.openenv.url = url = f"http://127.0.0.1:{self.port}"
-        return url
-
-    def _spawn(self) -> None:
-        import os
-        import subprocess
-        import sys
-        import urllib.request
-
-        os.makedirs(self.out_dir, exist_ok=True)
-        log = open(self.log_path, "ab")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.tasks.openenv_server", self.tc.openenv.env,
-                                      "--port", str(self.port), "--max-concurrent", str(self.sessions),
-                                      "--parent-pid", str(os.getpid())],
-                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)
-        log.close()
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                tail = open(self.log_path, errors="replace").read()[-1500:]
-                raise TaskError(f"task.openenv.serve=local: the server of {self.tc.openenv.env} exited with "
-                                f"{self.proc.returncode} before serving ({self.log_path}):\n{tail}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    self.on_spawn(self.proc.pid, self.port)
-                    return
-            except Exception:
-                if time.monotonic() >= deadline:
-                    self.stop()
-                    raise TaskError(f"task.openenv.serve=local: the server of {self.tc.openenv.env} did not answer "
-                                    f"/health within 60s ({self.log_path})") from None
-                time.sleep(0.2)
-
-    async def watch(self, on_fatal: Callable[[str], None]) -> None:
-        """Restart the server when it dies, until `stop` (a task of the driver's event loop)."""
-        import asyncio
-        import logging
-        log = logging.getLogger(__name__)
-        while not self.stopping:
-            await asyncio.sleep(0.5)
-            if self.stopping or self.proc is None or self.proc.poll() is None:
-                continue
-            code = self.proc.returncode
-            if self.restarts >= self.tc.openenv.max_restarts:
-                on_fatal(f"the OpenEnv server of {self.tc.openenv.env} died (exit {code}) after "
-                         f"task.openenv.max_restarts={self.tc.openenv.max_restarts} restarts ({self.log_path})")
-                return
-            self.restarts += 1
-            log.warning("the OpenEnv server of %s died (exit %s): restart %d of %d on port %d; its episodes in "
-                        "flight fail alone", self.tc.openenv.env, code, self.restarts, self.tc.openenv.max_restarts, self.port)
-            try:
-                await asyncio.get_running_loop().run_in_executor(None, self._spawn)
-            except TaskError as e:
-                on_fatal(str(e))
-                return
-
-    def stop(self) -> None:
-        self.stopping = True
-        p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
-            return
-        p.terminate()
-        try:
-            p.wait(5)
-        except Exception:
-            p.kill()
-            p.wait(5)
