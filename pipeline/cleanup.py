@@ -157,9 +157,19 @@ def _close(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
+AT_HARD_EXIT: list = []
+"""Callables `hard_exit` runs first, each bounded by itself (pipeline/cluster/launch.py: release the
+scheduler's hosts, which are not in this process's tree)."""
+
+
 def hard_exit(signum: int) -> None:
     """Kill this process's tree with SIGKILL, unlink its segments and exit 128 + signum, now."""
     try:
+        for release in AT_HARD_EXIT:
+            try:
+                release()
+            except Exception as e:  # noqa: BLE001 - exiting anyway
+                log.error("while exiting: %s", e)
         killed = stop_tree()
         log.error("killed %d processes of the run; exiting %d", len(killed), 128 + signum)
     finally:

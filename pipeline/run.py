@@ -94,23 +94,37 @@ def print_summary(cfg: Config, summary: dict) -> None:
     print(f"   HF checkpoint: {summary.get('checkpoint')}")
 
 
-def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S) -> int:
-    """Run the job from this process on `host` (a host mesh; None: this host), print its summary and
-    return its exit code (0, or NO_SIGNAL_EXIT). SIGINT, SIGTERM or SIGHUP stop it through the
-    controller's shutdown (cleanup.run_until_signalled)."""
+def drive(cfg: Config, host: Any = None, grace_s: float = GRACE_S, roles: Any = None) -> int:
+    """Run the job from this process on `host` (a host mesh; None: this host) or on `roles` (a host
+    mesh per role, pipeline/cluster/roles.py), print its summary and return its exit code (0, or
+    NO_SIGNAL_EXIT). SIGINT, SIGTERM or SIGHUP stop it through the controller's shutdown
+    (cleanup.run_until_signalled)."""
     from pipeline.driver.loop import run
 
-    summary = cleanup.run_until_signalled(run(cfg, host=host), grace_s)
+    summary = cleanup.run_until_signalled(run(cfg, host=host, roles=roles), grace_s)
     print_summary(cfg, summary)
     return NO_SIGNAL_EXIT if summary.get("ended") == "no_signal" else 0
 
 
 def launch(cfg: Config) -> int:
-    """Local run, or under torchrun: every rank joins one Monarch job and rank 0 drives it."""
+    """Local run; under torchrun, every rank joins one Monarch job and rank 0 drives it; with
+    run.launcher=monarch, this process asks a scheduler for hosts per role and drives them."""
     # torchrun sets all of these; LOCAL_WORLD_SIZE alone is no sign (vLLM's CPU platform sets it in
     # the process that builds an engine, and a child of that process inherits it)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or all(
         k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+    if cfg.run.launcher == "torchrun" and not under_torchrun:
+        raise ConfigError("config: run.launcher='torchrun' is invalid; allowed: under torchrun only (torchrun "
+                          "--nproc-per-node K -m pipeline.run ...), or run.launcher=local / monarch")
+    if cfg.run.launcher in ("local", "monarch") and under_torchrun:
+        raise ConfigError(f"config: run.launcher={cfg.run.launcher!r} is invalid; allowed: 'auto' or 'torchrun' "
+                          "under torchrun (this process is one of torchrun's ranks)")
+    if cfg.run.launcher == "monarch":
+        from pipeline.cluster.launch import run_under_monarch
+
+        if cfg.launcher.job == "process":
+            loopback_only()  # every host is a process of this machine
+        return run_under_monarch(cfg, functools.partial(drive, cfg))
     if not under_torchrun or os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
         loopback_only()  # before any proc starts: they inherit this environment
     if under_torchrun:

@@ -18,6 +18,11 @@ class RunConfig:
 
     mode: str = "async"
     """async (overlapped loops) | sync (generate a full batch, train, sync, repeat)."""
+    launcher: str = "auto"
+    """Where the run's hosts come from: local (this host) | torchrun (every rank of a torchrun job joins
+    one Monarch job; rank 0 drives) | monarch (this process is the controller and asks a scheduler for
+    hosts per role through Monarch's job API: launcher.*, pipeline/cluster/) | auto (torchrun when
+    started by torchrun, else local)."""
     steps: int = 20
     """Optimizer steps in the RL phase (0..10^7)."""
     epochs: int = 0
@@ -113,6 +118,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         choice("run.mode", self.mode, ("async", "sync"))
+        choice("run.launcher", self.launcher, ("auto", "local", "torchrun", "monarch"))
         check(0 <= self.steps <= 10_000_000, "run.steps", self.steps, "0..10000000")
         check(0 <= self.epochs <= 1_000_000, "run.epochs", self.epochs, "0..1000000 (0: unbounded)")
         check(self.warm_start_steps == "auto" or (isinstance(self.warm_start_steps, int) and self.warm_start_steps >= 0),

@@ -18,6 +18,7 @@ from pipeline.config.buffer import BufferConfig
 from pipeline.config.errors import check, id_set
 from pipeline.config.generator import GeneratorConfig
 from pipeline.config.ids import format_ids
+from pipeline.config.launcher import LauncherConfig, check_launcher
 from pipeline.config.model import ModelConfig
 from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import RunConfig
@@ -40,6 +41,7 @@ class Config:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
         self._resolve_recipe()
@@ -92,6 +94,7 @@ class Config:
         (pipeline/placement.py; set sizes against the ranks sharing them, and the host's cores, are
         checked at start)."""
         t, g, r = self.trainer, self.generator, self.run
+        check_launcher(self)
         sets = [("trainer.cpus", t.cpus), ("generator.cpus", g.cpus), ("buffer.cpus", self.buffer.cpus),
                 ("reward_model.cpus", self.reward_model.cpus), ("teacher.cpus", self.teacher.cpus)]
         for i, (k1, s1) in enumerate(sets):

@@ -3,7 +3,7 @@ generators and the reward model), one `MeshSlot` each, and the one list of live 
 that the weight sync reads.
 
     fleet = Fleet(cfg)
-    await fleet.start(host_mesh, num_hosts, hosts, placements)   # reward model first, then the generators
+    await fleet.start(roles, placements)   # reward model first, then the generators (pipeline/cluster/roles.py)
     fleet.handles                    # generator i's handle while it takes part in pushes, else None
     slot = fleet.generators[i]       # handle, procs, pids, segments, incarnation, stats, version
     await slot.stop()                # shutdown -> stop its procs -> kill survivors -> unlink its segments
@@ -177,7 +177,7 @@ class Fleet:
 
     Example:
         fleet = Fleet(cfg)
-        await fleet.start(host_mesh, 1, [0], placements)
+        await fleet.start(Roles.one_mesh(cfg, this_host()), placements)
         sync = WeightSync(trainer, fleet.handles, cfg)
         for slot in fleet.live_generators(): ...
     """
@@ -190,7 +190,8 @@ class Fleet:
         self.teacher = MeshSlot("teacher", "teacher", 0, True) if cfg.teacher.hf_dir else None
         self.handles = LiveHandles(self.generators)
         self.placement: dict = placement if placement is not None else {}
-        self.host_mesh: Any = None
+        self.host_mesh: Any = None  # the generators' host mesh (roles.generators)
+        self.roles: Any = None  # every role's host mesh (pipeline/cluster/roles.py), set by start
         self.placements: list[Placement] = []
 
     def slots(self) -> Iterator[MeshSlot]:
@@ -233,14 +234,14 @@ class Fleet:
             if not isinstance(r, BaseException):
                 slot.stats = r
 
-    async def start(self, host_mesh: Any, num_hosts: int, hosts: list[int], placements: list[Placement],
-                    hf_dir: str | None = None) -> None:
-        """Spawn the reward model, then every generator (on `hosts[i]`, placed by `placements[i]`),
-        serving `hf_dir` (default: the model) as version 0; every generator is live afterwards."""
-        self.host_mesh, self.placements = host_mesh, placements
+    async def start(self, roles: Any, placements: list[Placement], hf_dir: str | None = None) -> None:
+        """Spawn the reward model, then every generator (on `roles.generator_host[i]` of
+        `roles.generators`, placed by `placements[i]`), serving `hf_dir` (default: the model) as
+        version 0; every generator is live afterwards. `roles`: pipeline/cluster/roles.py."""
+        self.roles, self.host_mesh, self.placements = roles, roles.generators, placements
         for slot in self.slots():
-            slot.local = num_hosts == 1
-        for slot, h in zip(self.generators, hosts):
+            slot.local = roles.local
+        for slot, h in zip(self.generators, roles.generator_host):
             slot.host = h
         for side in self.sides():
             await self.spawn_side(side)
@@ -265,10 +266,10 @@ class Fleet:
 
     async def spawn_side(self, slot: MeshSlot) -> Any:
         """A side mesh's current incarnation (the reward model, pipeline/reward_model.py, or the teacher,
-        pipeline/teacher.py) on its own proc on host 0; live."""
+        pipeline/teacher.py) on its own proc on its side host (roles.side); live."""
         teacher = slot is self.teacher
         sc = self.cfg.teacher if teacher else self.cfg.reward_model
-        info = await slot.spawn(self.host_mesh, TeacherActor if teacher else RewardModelActor,
+        info = await slot.spawn(self.roles.side(slot.name), TeacherActor if teacher else RewardModelActor,
                                 (self.cfg, slot.incarnation), lambda a: a.setup.call_one(), sc.start_timeout_s)
         self._placed(slot, info["placement"])
         log.info("%s %s loaded in %.1fs (pid %d): %s; streaming chunks of %d tokens", slot.label,

@@ -22,6 +22,7 @@ from monarch.actor import this_host
 from actors.replay_buffer import ReplayBufferActor
 from actors.trainer import Trainer
 from pipeline.checkpoint import Checkpoints
+from pipeline.cluster.roles import Roles
 from pipeline.config import Config, ConfigError, sync_mode_config
 from pipeline.driver.calls import RunError, call_within
 from pipeline.driver.evaluation import Evaluation
@@ -75,9 +76,10 @@ class Job:
         await asyncio.wait({asyncio.create_task(loop.run(1)), asyncio.create_task(job.supervisor.run())}, ...)
     """
 
-    def __init__(self, cfg: Config, host: Any = None, supervised: bool = False):
+    def __init__(self, cfg: Config, host: Any = None, supervised: bool = False, roles: Roles | None = None):
         self.cfg = sync_mode_config(cfg) if cfg.run.mode == "sync" else cfg
-        self.host = host
+        self.host = host  # one host mesh for every role (this host, or torchrun's nodes) ...
+        self.roles = roles  # ... or a host mesh per role (run.launcher=monarch; pipeline/cluster/roles.py)
         self.supervised = supervised
         self.version = 0
         self.requeued_groups = 0
@@ -156,11 +158,12 @@ class Job:
         if self.env_server is not None:  # a dead server is restarted; past its budget the run stops
             self.env_watch = asyncio.create_task(self.env_server.watch(lambda why: self.supervisor.report(None, why)),
                                                  name="openenv-server")
-        host = self.host or this_host()  # an attached torchrun host mesh has a 'hosts' dim; this_host() none
-        num_hosts = host.sizes.get("hosts", 1)
-        # Trainer rank 0, the buffer and this controller's meshes start on host 0.
-        hosts = [i % num_hosts if cfg.generator.placement == "spread" else 0 for i in range(cfg.generator.num_generators)]
-        remote = [f"generator{i} on host {h}" for i, h in enumerate(hosts) if h != 0]
+        if self.roles is None:  # an attached torchrun host mesh has a 'hosts' dim; this_host() none
+            self.roles = Roles.one_mesh(cfg, self.host or this_host())
+        roles = self.roles
+        num_hosts = roles.trainer_hosts
+        # Trainer rank 0, the buffer and this controller's meshes start on the trainer's host 0.
+        remote = roles.remote_generators()
         if remote and cfg.weight_sync.transport == "shm":
             raise RunError(f"weight_sync.transport='shm' only reaches generators on trainer rank 0's host (host 0), "
                            f"but {', '.join(remote)} (generator.placement={cfg.generator.placement!r}, "
@@ -170,7 +173,8 @@ class Job:
                            f"{cfg.trainer.num_ranks} trainer ranks run on all {num_hosts} hosts and each sends its "
                            "own shards: use weight_sync.transport=rdma (or collective)")
         # cores or GPUs too few for the generators of a host: a ConfigError (exit 2) before anything starts
-        placements = generator_placements(cfg, hosts, cfg.trainer.num_ranks // num_hosts)
+        placements = generator_placements(cfg, roles.generator_host,
+                                          0 if roles.apart else cfg.trainer.num_ranks // num_hosts)
         self.tokenizer = load_tokenizer(model_dir(cfg.model))
         self.special = SpecialTokens.of(self.tokenizer)
         self.check_prompts()
@@ -179,17 +183,17 @@ class Job:
         steps = cfg.run.warm_start_steps
         if steps != "auto" and steps and not cfg.run.resume:
             # the generators serve the warm-started weights as their version 0: they start after them
-            await all_settled({"trainer start": self._start_trainer(host, num_hosts),
-                               "buffer start": self._start_buffer(host)})
+            await all_settled({"trainer start": self._start_trainer(roles),
+                               "buffer start": self._start_buffer(roles)})
             warm = str(await warm_start(cfg, self.task, self.trainer, self.tokenizer, steps))
             self.warm = WarmReport(steps, f"run.warm_start_steps={steps}", "fixed")
-            await self._start_fleet(host, num_hosts, hosts, placements, warm)
+            await self._start_fleet(roles, placements, warm)
         else:
             # nothing the generators load waits on the trainer: all come up at once (the vLLM engines'
             # start is the longest part of a job's start)
-            await all_settled({"trainer start": self._start_trainer(host, num_hosts),
-                               "buffer start": self._start_buffer(host),
-                               "generators start": self._start_fleet(host, num_hosts, hosts, placements, None)})
+            await all_settled({"trainer start": self._start_trainer(roles),
+                               "buffer start": self._start_buffer(roles),
+                               "generators start": self._start_fleet(roles, placements, None)})
         self.sync = WeightSync(self.trainer, self.fleet.handles, cfg,
                                on_failure=self.supervisor.report if self.supervised else None)
         await self.sync.attach(self.trainer_addr)
@@ -199,25 +203,24 @@ class Job:
             self.warm = await auto_warm_start(cfg, self.task, self.trainer, self.tokenizer, self.fleet, self.evaluation)
             log.info(self.warm.line())
 
-    async def _start_trainer(self, host: Any, num_hosts: int) -> None:
-        log.info("starting trainer mesh (%d ranks over %d host(s))", self.cfg.trainer.num_ranks, num_hosts)
-        self.trainer = await Trainer.start(self.cfg, host)  # every call below: all ranks, rank 0's answer
+    async def _start_trainer(self, roles: Roles) -> None:
+        log.info("starting trainer mesh (%d ranks over %d host(s))", self.cfg.trainer.num_ranks, roles.trainer_hosts)
+        self.trainer = await Trainer.start(self.cfg, roles.trainer)  # every call below: all ranks, rank 0's answer
         self.procs.append(self.trainer.procs)
         self.trainer_addr = self.trainer.addr
         self.placement.update({p["role"]: p for p in self.trainer.placements})
 
-    async def _start_buffer(self, host: Any) -> None:
-        log.info("starting replay buffer (host 0)")
-        buffer_procs = (host.slice(hosts=0) if "hosts" in host.sizes else host).spawn_procs(per_host={"procs": 1})
+    async def _start_buffer(self, roles: Roles) -> None:
+        log.info("starting replay buffer (the trainer's host 0)")
+        buffer_procs = roles.buffer.spawn_procs(per_host={"procs": 1})
         self.procs.append(buffer_procs)
         self.buffer = buffer_procs.spawn("buffer", ReplayBufferActor, self.cfg, self.special.pad)
         self.placement["buffer"] = await call_within("buffer setup", self.buffer.setup.call_one(), 60)
         log.info("placement: buffer (pid %d): %s", self.placement["buffer"]["pid"], describe(self.placement["buffer"]))
 
-    async def _start_fleet(self, host: Any, num_hosts: int, hosts: list[int], placements: list,
-                           warm: str | None) -> None:
-        log.info("starting %d generator(s) on hosts %s; vLLM engines take a while to start",
-                 self.cfg.generator.num_generators, hosts)
+    async def _start_fleet(self, roles: Roles, placements: list, warm: str | None) -> None:
+        log.info("starting %d generator(s) on %shosts %s; vLLM engines take a while to start",
+                 self.cfg.generator.num_generators, "generator " if roles.apart else "", roles.generator_host)
         self.supervisor.install_fault_hook()
         await self.fleet.start(host, num_hosts, hosts, placements, warm)
 

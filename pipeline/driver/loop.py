@@ -181,7 +181,7 @@ class TrainLoop:
 # ---------------------------------------------------------------------- the job
 
 
-async def run(cfg: Config, host: Any = None) -> dict:
+async def run(cfg: Config, host: Any = None, roles: Any = None) -> dict:
     """The whole job: start, resume, the train loop and the supervisor side by side (the first to
     end stops the other; the train loop's end is the run's), export, summary.json. Returns the
     summary; raises RunError naming the loop that failed. On a failure or an interrupt a last
@@ -193,7 +193,7 @@ async def run(cfg: Config, host: Any = None) -> dict:
     resume_step = read_marker(cfg.run.resume)["step"] if cfg.run.resume else None
     sink = MetricsSink(out, resume_step, cfg.run.wandb, dataclasses.asdict(cfg))  # resumed: rows past it dropped
     progress = None
-    job = Job(cfg, host, supervised=True)
+    job = Job(cfg, host, supervised=True, roles=roles)
     checkpointing = Checkpointing(job)
     job.checkpoints.sweep()
     loops: set[asyncio.Task] = set()
