@@ -6,6 +6,8 @@
     >>> s.train_step()            # one batch -> one optimizer step; returns the trainer's metrics
     >>> s.sync()                  # push the new weights to every generator; returns seconds
     >>> s.versions()              # {'trainer': 1, 'generator0': 1}
+    >>> s.add_generators(1)       # [1]: generator1 joins on the trainer's weights
+    >>> s.remove_generator(0)     # generator0 leaves; its groups go back to the buffer
     >>> s.buffer_stats()          # occupancy, in-flight groups, drops by reason, Δ ...
     >>> s.call("trainer", "version")   # any endpoint of any actor
     >>> s.stop()
@@ -88,6 +90,14 @@ class Session:
     def evaluate(self) -> dict[str, float]:
         return self._run(self.pipe.evaluation.evaluate())
 
+    def add_generators(self, n: int = 1) -> list[int]:
+        """n more generators, serving the trainer's current weights (pipeline/driver/pool.py); their indices."""
+        return self._run(self.pipe.add_generators(n), timeout=None)
+
+    def remove_generator(self, i: int) -> dict:
+        """Generator i leaves (drained or aborted by generator.on_update, its groups requeued); its event."""
+        return self._run(self.pipe.remove_generator(i), timeout=None)
+
     # ------------------------------------------------------------------ inspection
 
     def _generator(self, i: int) -> Any:
@@ -96,7 +106,7 @@ class Session:
     def versions(self) -> dict[str, int]:
         async def get():
             out = {"trainer": await self.pipe.trainer.version()}
-            for i in range(len(self.pipe.fleet.generators)):
+            for i, _ in self.pipe.fleet.live_generators():
                 out[f"generator{i}"] = await call_within(f"generator{i}.version", self._generator(i).version.call_one())
             return out
 

@@ -72,6 +72,8 @@ class MeshSlot:
         self.stats: dict | None = None
         self.probe_max_s = 0.0  # the slowest health probe's round trip since the train loop last read it
         self.version = 0
+        self.membership = "member"  # joining | member | leaving | removed: the pool's (pipeline/driver/pool.py);
+        # the supervisor restarts members only
 
     @property
     def mesh_name(self) -> str:
@@ -223,6 +225,26 @@ class Fleet:
 
     def live_generators(self) -> list[tuple[int, MeshSlot]]:
         return [(i, s) for i, s in enumerate(self.generators) if s.live]
+
+    def active_generators(self) -> list[tuple[int, MeshSlot]]:
+        """Every generator of the pool now, live or restarting, but not one that is joining, leaving or gone."""
+        return [(i, s) for i, s in enumerate(self.generators) if s.membership == "member"]
+
+    def new_generator(self, host: int, placement: Placement) -> int:
+        """A slot for one more generator (the pool's): the next index, never one a removed slot had,
+        so lessees, stream ids, placement.json and faults.jsonl name one generator each."""
+        i = len(self.generators)
+        slot = MeshSlot(f"generator{i}", f"generator{i}", host, self.generators[0].local)
+        slot.membership = "joining"
+        self.generators.append(slot)
+        self.placements.append(placement)
+        return i
+
+    def forget(self, slot: MeshSlot) -> None:
+        """A removed generator leaves placement.json (its index is not reused)."""
+        slot.membership = "removed"
+        if self.placement.pop(slot.name, None) is not None:
+            self.write_placement()
 
     async def refresh_stats(self, timeout_s: float) -> None:
         """Ask every live generator for its stats now and cache the answers (`slot.stats`); one that

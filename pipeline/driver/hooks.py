@@ -91,7 +91,7 @@ class Measure(Hook):
             "carry/reprefill_tokens": float(sum(g["reprefill_tokens"] for g in gens)),
             "health/probe_s_max": probe_s,  # the slowest health probe since the last step (generator.hang_timeout_s)
             "faults/restarts": float(sum(s.incarnation for s in job.fleet.generators)),
-            "faults/requeued_groups": float(job.requeued_groups),
+            "faults/requeued_groups": float(job.requeued_groups), "generators/live": float(len(live)),
             **rejected_metrics(gens), **reward_metrics(gens, job),
         })
 

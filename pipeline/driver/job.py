@@ -27,6 +27,7 @@ from pipeline.config import Config, ConfigError, sync_mode_config
 from pipeline.driver.calls import RunError, call_within
 from pipeline.driver.evaluation import Evaluation
 from pipeline.driver.fleet import Fleet
+from pipeline.driver.pool import Pool
 from pipeline.driver.rewiring import RestartWiring
 from pipeline.driver.supervisor import Supervisor
 from pipeline.driver.warm_start import WarmReport, auto_warm_start, warm_start
@@ -115,6 +116,8 @@ class Job:
         self.placement = getattr(self, "placement", {})  # every proc's, by role (placement.json)
         self.fleet = Fleet(self.cfg, self.placement)
         self.supervisor = Supervisor(self.cfg, self.fleet, RestartWiring(self))
+        self.pool = Pool(self)  # generators added and removed while the run goes on
+        self.generating = False  # start_generation ran: a generator that joins starts generating too
         self.evaluation = Evaluation(self.cfg, self.task, self.fleet, self.supervisor.report)
         self.procs: list[Any] = []  # the trainer's and the buffer's proc meshes
         self.trainer: Any = None
@@ -235,8 +238,17 @@ class Job:
                                   f"{self.tokenizer.name_or_path}: its first prompt: {e}") from None
 
     async def start_generation(self) -> None:
+        self.generating = True
         await call_within("generation start", asyncio.gather(
             *[s.handle.start_generation.call_one(self.buffer) for _, s in self.fleet.live_generators()]))
+
+    async def add_generators(self, n: int) -> list[int]:
+        """n more generators join while the run goes on (pipeline/driver/pool.py); their indices."""
+        return await self.pool.add(n)
+
+    async def remove_generator(self, i: int) -> dict:
+        """Generator i leaves the run (drained or aborted by generator.on_update); its "removed" event."""
+        return await self.pool.remove(i)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids, as the generators decode completions (special tokens dropped)."""

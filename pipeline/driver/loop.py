@@ -24,6 +24,7 @@ from typing import Any
 
 from pipeline.checkpoint import prepare_resume, read_marker
 from pipeline.config import Config
+from pipeline.control import Control
 from pipeline.driver.calls import EndOfData, RunError, call_within
 from pipeline.driver.checkpointing import Checkpointing
 from pipeline.driver.health import batch_health
@@ -204,7 +205,8 @@ async def run(cfg: Config, host: Any = None, roles: Any = None) -> dict:
         progress = Progress(cfg.run.steps - first_step + 1, cfg.run.progress, desc=f"rl[{cfg.run.mode}]")
         loop = TrainLoop(job, publish_for(job), step_hooks(job, sink, progress, checkpointing, first_step))
         loops = {asyncio.create_task(loop.run(first_step), name="train"),
-                 asyncio.create_task(job.supervisor.run(), name="supervisor")}
+                 asyncio.create_task(job.supervisor.run(), name="supervisor"),
+                 asyncio.create_task(Control(job).run(), name="control")}  # python -m pipeline.control
         done, pending = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
         for t in pending:
             t.cancel()
@@ -212,7 +214,7 @@ async def run(cfg: Config, host: Any = None, roles: Any = None) -> dict:
         first = done.pop()
         if first.get_name() != "train":
             first.result()  # raises the supervisor's error
-            raise RunError("the generator supervisor ended before training finished")
+            raise RunError(f"the {first.get_name()} loop ended before training finished")
         summary = first.result()
         ckpt = out / "hf_checkpoint"
         await job.trainer.export_hf(str(ckpt))
@@ -222,6 +224,7 @@ async def run(cfg: Config, host: Any = None, roles: Any = None) -> dict:
             await job.trainer.export_hf(summary["checkpoint_merged"], True)
         summary["stats"] = await job.stats()
         summary["restarts"] = [s.incarnation for s in job.fleet.generators]
+        summary["generators"] = [i for i, _ in job.fleet.active_generators()]  # the pool at the end
         summary["pushes"] = {"started": job.sync.pushes, "verified": job.sync.verified_pushes}
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         return summary

@@ -19,7 +19,10 @@ Failures come in through ONE queue of (slot, incarnation, cause), fed by:
 A report about an incarnation other than the slot's current one is stale and dropped. Every slot
 is restarted by the same algorithm (`_restart`): count it against its budget (generator.max_restarts,
 reward_model.max_restarts; past it the run ends), take it out, stop it (MeshSlot.stop), bring a new
-incarnation back, record it in out_dir/faults.jsonl. A restart runs in the background: the other
+incarnation back, record it in out_dir/faults.jsonl (kind "restart"). Only a member of the pool
+is restarted: a generator that is joining or leaving it (pipeline/driver/pool.py) is the pool's, and
+a generator added while the run goes on is watched, probed and budgeted like the first ones.
+A restart runs in the background: the other
 generators keep generating, and a restart that fails is a new failure of that slot.
 
 Example:
@@ -119,10 +122,13 @@ class Supervisor:
                 cause = f"{type(e).__name__}: {e}"
             self.report(slot, cause or "its watch call ended", inc)
 
-        self._unwatch(slot)
+        self.unwatch(slot)
         self._watches[slot.name] = asyncio.create_task(held(), name=f"watch-{slot.mesh_name}")
 
-    def _unwatch(self, slot: MeshSlot) -> None:
+    def restarting(self, slot: MeshSlot) -> bool:
+        return slot.name in self._restarting
+
+    def unwatch(self, slot: MeshSlot) -> None:
         task = self._watches.pop(slot.name, None)
         if task is not None:
             task.cancel()
@@ -192,8 +198,8 @@ class Supervisor:
                         if gone := cleanup.sweep_dead_weight_sync():
                             log.warning("removed the weight-sync segments the failed mesh left: %s", " ".join(gone))
                         raise RunError(f"a trainer or buffer mesh failed: {cause}")
-                    if inc == slot.incarnation and slot.name not in self._restarting:
-                        self._start_restart(slot, cause)
+                    if inc == slot.incarnation and slot.name not in self._restarting and slot.membership == "member":
+                        self._start_restart(slot, cause)  # a joining or leaving generator is the pool's
         finally:
             tasks = [*self._restarting.values(), *self._watches.values()]
             self._restarting.clear()
@@ -225,14 +231,14 @@ class Supervisor:
         detected, t0 = time.time(), time.monotonic()
         log.warning("%s failed (%s); restart %d of %d", slot.label, cause[:300], slot.incarnation,
                     self.budget(slot)[0])
-        self._unwatch(slot)
+        self.unwatch(slot)
         out = await self.wiring.take_out(slot)
         await slot.stop()
         out |= await self.wiring.bring_back(slot)
         if not self.fleet.is_side(slot):
             self.watch(slot)
         key = {slot.name: True} if self.fleet.is_side(slot) else {"generator": self.fleet.generators.index(slot)}
-        event = {**key, "restart": slot.incarnation, "cause": cause[:500], "detected_at": detected,
+        event = {"kind": "restart", **key, "restart": slot.incarnation, "cause": cause[:500], "detected_at": detected,
                  "recovered_at": time.time(), "recovery_s": time.monotonic() - t0, **out}
         with open(Path(self.cfg.run.out_dir) / "faults.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")

@@ -264,8 +264,11 @@ class Episodes:
         if not stream:
             ids = list(c.token_ids)
             lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if ids else []
-        traj.extend(ids, lps, spans_to_versions(c.weight_versions, len(ids)))
+        versions = spans_to_versions(c.weight_versions, len(ids))
+        traj.extend(ids, lps, versions)
         self.stats.tokens += len(ids)
+        if self.stats.first_token_version is None and len(versions):  # a joining generator's proof of its label
+            self.stats.first_token_version = int(versions[0])
         return str(c.finish_reason)
 
     # ---------------------------------------------------------------- the end (the slot is free)

@@ -142,6 +142,7 @@ class RolloutStats:
     errors: deque = field(default_factory=lambda: deque(maxlen=20))
     recent: deque = field(default_factory=lambda: deque(maxlen=REJECT_WINDOW))  # reason, or None if accepted
     reward_latency_s: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # EOS -> reward, recent samples
+    first_token_version: int | None = None  # the policy version of the first token this engine returned
     _busy_since: float | None = None
 
     def running(self, on: bool) -> None:
@@ -205,4 +206,5 @@ class RolloutStats:
             "recent_reasons": dict(reasons),
             "recent_top_reason": reasons.most_common(1)[0][0] if reasons else None,
             "reward_latency_s": list(self.reward_latency_s),  # the last RECENT samples
+            "first_token_version": self.first_token_version,
         }

@@ -145,14 +145,22 @@ class WeightSync:
         if part is not None and part is not asyncio.current_task():
             part.cancel()  # a dead generator's stage or apply may never answer
 
+    async def leave(self, i: int) -> None:
+        """Generator i leaves the push group for good at the next push boundary (the pool removes it):
+        the push in flight, which may be applying on it, ends first; later pushes skip it."""
+        async with self._lock:
+            await self._settled()
+            self.detach(i)
+
     async def rejoin(self, i: int, gen: Any) -> None:
-        """Generator i's replacement joins at the next push boundary (it serves an older version until
-        the next push reaches it)."""
+        """Generator i's replacement (or a generator that joins the pool) joins at the next push
+        boundary (it serves an older version until the next push reaches it). A pull transport's
+        sender is built for a number of receivers: an index past it rebuilds the sender for all."""
         async with self._lock:
             await self._settled()
             self.generators[i] = gen
             try:
-                if self.kind == "collective":
+                if self.kind == "collective" or i >= self._handle.num_receivers:
                     await self._attach()
                 else:
                     await _bounded(f"generator{i}.attach_weights", gen.attach_weights.call_one(self._handle, i),
