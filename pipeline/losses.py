@@ -36,11 +36,11 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
                 sequence: multiple importance sampling with the balance heuristic (seed 002, §3.2).
                 A batch whose samples come from J behaviour versions, n_j samples from version j
                 (α_j = n_j / n), weights each sample by π_old(y) / Σ_j α_j q_j(y), whatever version
-                made it. q_j(y) is the sequence likelihood under version j: the sampler's own
-                logprobs for the version that made y, the trainer's snapshot of version j for the
-                others (`balance_log_mixture` gets log q [N, J]; pipeline/trainer/snapshots.py keeps the snapshots).
-                With one version it is seq_is. A sample whose tokens span several versions has no
-                single proposal: it gets seq_is's weight (log_mix = Σ_t mask·mu).
+                made it. q_j(y) is the sequence likelihood under version j, the trainer's for every j (its
+                snapshot of j; π_old's weights for the current one), the source π_old has: the weight corrects for
+                the mix of versions, not the sampler/learner mismatch (`balance_log_mixture` gets log q [N, J];
+                pipeline/trainer/snapshots.py). With one version it is π_old(y)/q_j(y). A sample whose tokens span
+                versions has no single proposal: it gets seq_is's weight (log_mix = Σ_t mask·mu), counted.
 
 Per-token log-ratios are clamped to ±20 before exp (a wild sampler logprob gives a huge but finite
 weight); seq_is clamps only the sum, since clamping each token first would change the product.

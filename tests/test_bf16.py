@@ -175,15 +175,19 @@ def test_bf16_mis_balance_snapshots_are_bf16_and_the_master_is_put_back_exactly(
     b = make_batch(core.model, seed=7, mu_noise=0.2)
     ver = torch.where(b.loss_mask > 0, 1, -1).long()
     ver[:3][b.loss_mask[:3] > 0] = 0
+    ver[5][b.loss_mask[5] > 0] = 2  # the current version: scored with the live weights
     b = replace(b, versions=ver, trainer_version=2)
     live = master(core)
     prox = Proximal(b.loss_mask[:, 1:].shape, core.device, cfg.trainer)
     m = core.snapshots.balance_mixture(core.version, b, minibatch_plan(6, 1, 1, 0, 0), prox)
-    assert m["mis_balance/versions"] == 2 and m["mis_balance/fallback"] == 0
+    assert m["mis_balance/versions"] == 3 and m["mis_balance/fallback"] == 0
     assert all(torch.equal(a, b) for a, b in zip(live.values(), master(core).values()))
     for v in (0, 1):
         assert all(w.dtype == torch.bfloat16 and torch.equal(w, want.bfloat16())
                    for w, want in zip(core.snapshots.weights[v], masters[v].values()))
+    first = prox.log_mix.clone()  # the current version scored with the live float32 master
+    core.snapshots.balance_mixture(core.version, b, minibatch_plan(6, 1, 1, 0, 0), prox)
+    assert torch.equal(prox.log_mix, first)  # ... and now with its bf16 snapshot: the same forward
     core.train_step(b)
 
 

@@ -41,6 +41,19 @@ def test_mis_balance_is_accepted_with_consistent_rollouts():
                                                      "generator.carry_over=save"])
 
 
+def test_mis_balance_is_refused_for_multi_turn_tasks_unless_sync():
+    """An update can land between a multi-turn rollout's turns even with on_update=drain: refused,
+    naming trainer.correction, for a task with its own environment or task.env; a single model turn
+    (task.max_turns=1) or run.mode=sync is accepted."""
+    base = ["trainer.correction=mis_balance", "generator.on_update=drain"]
+    for ov in (["task.name=pipeline.tasks.calc"], ["task.name=pipeline.tasks.lookup"],
+               ["task.env=pipeline.tasks.calc.env"]):
+        with pytest.raises(ConfigError, match=r"^config: trainer.correction='mis_balance' is invalid.*task.max_turns=4"):
+            load_config(REPO / "configs" / "tiny.yaml", [*base, *ov])
+    for ov in (["task.name=pipeline.tasks.calc", "task.max_turns=1"], ["task.name=pipeline.tasks.calc", "run.mode=sync"]):
+        assert load_config(REPO / "configs" / "tiny.yaml", [*base, *ov]).trainer.correction == "mis_balance"
+
+
 @pytest.mark.parametrize(
     "override, must_name",
     [

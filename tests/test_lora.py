@@ -16,10 +16,12 @@ import torch
 
 from pipeline.config import Config, ConfigError, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, load_config
 from pipeline.model import read_hf_config, token_logprobs
-from pipeline.trainer.step import TrainCore
+from pipeline.lora import lora_parameters
+from pipeline.trainer.snapshots import Proximal
+from pipeline.trainer.step import TrainCore, minibatch_plan
 
 from tests.conftest import REPO
-from tests.test_trainer_core import make_batch
+from tests.test_trainer_core import make_batch, mis_cfg, trainer_log_mixture, with_versions
 
 LORA = LoraConfig(rank=8, alpha=16.0)
 
@@ -80,6 +82,31 @@ def test_merged_export_is_the_trainers_model_and_peft_export_holds_the_adapters(
     merged = merge_into_hf(base, peft, LORA)
     again = load_file(str(tmp_path / "merged" / "model.safetensors"))
     assert all(torch.allclose(merged[k], again[k], atol=1e-6) for k in again)
+
+
+def test_mis_balance_snapshots_hold_only_the_adapters_and_score_as_full_copies():
+    """With LoRA the frozen base is the same in every version: a snapshot (and the live copy put back)
+    holds the adapters only, its reported bytes are theirs in the snapshot dtype, and log_mix is the
+    log-mixture of forwards with whole copies of each version's weights."""
+    c = mis_cfg(dataclasses.replace(lora_cfg(), generator=GeneratorConfig(on_update="drain")), max_staleness=2)
+    core = TrainCore(c)
+    copies = {}
+    for v in range(2):
+        copies[v] = {k: w.detach().clone() for k, w in core.model.state_dict().items()}
+        core.train_step(make_batch(core.model, seed=50 + v, mu_noise=0.1))
+    copies[2] = {k: w.detach().clone() for k, w in core.model.state_dict().items()}
+    own = [0, 0, 1, 1, 2, 2]
+    b = with_versions(make_batch(core.model, seed=52, mu_noise=0.2), own, 2)
+    prox = Proximal(b.loss_mask[:, 1:].shape, core.device, c.trainer)
+    m = core.snapshots.balance_mixture(core.version, b, minibatch_plan(6, 1, 1, 0, 0), prox)
+    adapters = lora_parameters(core.model)
+    assert [p for p in core.model.parameters() if p.requires_grad] == adapters
+    mb = sum(p.numel() for p in adapters) * torch.float32.itemsize / 2**20  # model.dtype float32
+    assert all(len(core.snapshots.weights[v]) == len(adapters) for v in range(3))
+    assert m["mis_balance/snapshot_mb"] == pytest.approx(mb) and m["mis_balance/live_copy_mb"] == pytest.approx(mb)
+    assert m["mis_balance/snapshot_mb"] < sum(p.numel() for p in core.model.parameters()) * 4 / 2**20 / 10
+    assert prox.log_mix.tolist() == pytest.approx(trainer_log_mixture(c, copies, b, own), abs=1e-4)
+    assert all(torch.equal(w, copies[2][k]) for k, w in core.model.state_dict().items())  # live weights back
 
 
 def test_config_refuses_lora_with_keep_or_tensor_parallel_and_bad_values():

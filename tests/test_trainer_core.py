@@ -428,13 +428,39 @@ def test_nonfinite_later_minibatch_raises_before_its_own_update(cfg):
     assert core.optimizer.state_dict()["state"][0]["step"] == 1  # exactly one optimizer step ran
 
 
+def mis_cfg(cfg: Config, max_staleness: int = 3) -> Config:
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, correction="mis_balance"),
+                               generator=dataclasses.replace(cfg.generator, on_update="drain"),
+                               buffer=dataclasses.replace(cfg.buffer, max_staleness=max_staleness))
+
+
+def with_versions(b: Batch, own: list[int], trainer_version: int) -> Batch:
+    ver = b.versions.clone()
+    for i, v in enumerate(own):
+        ver[i][b.loss_mask[i] > 0] = v
+    return replace(b, versions=ver, trainer_version=trainer_version)
+
+
+def trainer_log_mixture(c: Config, copies: dict, b: Batch, own: list[int]) -> list[float]:
+    """log Σ_j α_j q_j(y_i) in float64 by hand, every q_j a forward of a fresh core with version j's
+    whole state dict (`copies`), for the first samples, each of the one version `own` names."""
+    mask = b.loss_mask[:, 1:].float()
+    ref = TrainCore(c)
+    vs = sorted(set(own))
+    logq = torch.zeros(b.num_samples, len(vs), dtype=torch.float64)
+    for k, j in enumerate(vs):
+        ref.model.load_state_dict(copies[j])
+        with torch.no_grad():
+            logq[:, k] = (token_logprobs(ref.model, b.input_ids) * mask).sum(1).double()
+    alpha = [own.count(j) / len(own) for j in vs]
+    return [math.log(sum(a * math.exp(logq[i, k]) for k, a in enumerate(alpha))) for i in range(len(own))]
+
+
 def test_mis_balance_scores_every_sample_under_every_version_of_its_batch(cfg):
-    """Three steps make versions 0, 1, 2; a batch with samples of all three (and one spanning two)
-    gets log Σ_j α_j q_j(y) with q_j from the sampler for a sample's own version and from a copy of
-    version j's weights (taken here by hand) for the others."""
-    c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, correction="mis_balance"),
-                            generator=dataclasses.replace(cfg.generator, on_update="drain"),
-                            buffer=dataclasses.replace(cfg.buffer, max_staleness=3))
+    """Three steps make versions 0, 1, 2; a batch with samples of all three and of the current one (and
+    one spanning two) gets log Σ_j α_j q_j(y) with every q_j from a copy of version j's weights (taken
+    here by hand), the sample's own version included; the spanning one gets seq_is's weight, counted."""
+    c = mis_cfg(cfg)
     core = TrainCore(c)
     copies = {}
     for v in range(3):
@@ -443,23 +469,13 @@ def test_mis_balance_scores_every_sample_under_every_version_of_its_batch(cfg):
     copies[3] = weights(core)
     b = make_batch(core.model, n=7, seed=20, mu_noise=0.3)
     own = [0, 0, 1, 2, 2, 2, 3]
+    b = with_versions(b, own, 3)
     ver = b.versions.clone()
-    for i, v in enumerate(own):
-        ver[i][b.loss_mask[i] > 0] = v
     ver[6, -2:] = 2  # sample 6 spans versions 3 and 2: no single proposal
-    b = replace(b, versions=ver, trainer_version=3)
+    b = replace(b, versions=ver)
     mask = b.loss_mask[:, 1:].float()
     mu = (b.behaviour_logprobs[:, 1:] * mask).sum(1).double()
-    ref = TrainCore(c)
-    logq = torch.zeros(7, 4, dtype=torch.float64)
-    for j in range(4):
-        ref.model.load_state_dict(copies[j])
-        with torch.no_grad():
-            logq[:, j] = (token_logprobs(ref.model, b.input_ids) * mask).sum(1).double()
-    for i, v in enumerate(own[:6]):
-        logq[i, v] = mu[i]
-    alpha = torch.tensor([2, 1, 3, 0], dtype=torch.float64) / 6  # sample 6 is not counted in any version
-    expect = [math.log(sum(alpha[j] * math.exp(logq[i, j]) for j in range(3) if alpha[j] > 0)) for i in range(6)]
+    expect = trainer_log_mixture(c, copies, b, own[:6])  # sample 6 is not counted in any version
     prox = Proximal(mask.shape, core.device, c.trainer)
     plan = minibatch_plan(7, 1, 1, 0, c.trainer.micro_batch_size)
     before = weights(core)
@@ -469,9 +485,35 @@ def test_mis_balance_scores_every_sample_under_every_version_of_its_batch(cfg):
     assert prox.log_mix[6].item() == pytest.approx(mu[6].item(), abs=1e-6)  # seq_is's weight
     assert m["mis_balance/versions"] == 3 and m["mis_balance/mixed_samples"] == 1 and m["mis_balance/fallback"] == 0
     assert sorted(core.snapshots.weights) == [0, 1, 2, 3]  # max_staleness = 3 versions before 3, and 3 itself
-    assert m["mis_balance/snapshot_mb"] > 0
+    params = list(core.model.parameters())  # a full fine-tune: every parameter trains, and is kept
+    assert m["mis_balance/snapshots"] == 4 and all(len(core.snapshots.weights[v]) == len(params) for v in range(4))
+    assert m["mis_balance/snapshot_mb"] == sum(p.numel() * 4 for p in params) / 2**20  # float32
+    assert m["mis_balance/live_copy_mb"] == m["mis_balance/snapshot_mb"]
     metrics = core.train_step(b)
     assert metrics["version"] == 4.0 and 0 < metrics["is_ess"] <= 1
+
+
+def test_mis_balance_likelihoods_come_from_the_trainer_not_the_sampler(cfg):
+    """A batch of versions 0 and 1 (the current one) whose sampler logprobs differ from the trainer's
+    by noise: log_mix is the same under two noise draws (the sampler's likelihood is in no q_j) and
+    equals the log-mixture of the trainer's forwards with each version's weights, in float64 by hand."""
+    c = mis_cfg(cfg)
+    core = TrainCore(c)
+    copies = {0: weights(core)}
+    core.train_step(make_batch(core.model, seed=40))
+    copies[1] = weights(core)
+    own = [0, 0, 1, 1, 1, 1]
+    expect = None
+    for noise_seed in (1, 2):
+        b = with_versions(make_batch(core.model, seed=41), own, 1)
+        g = torch.Generator().manual_seed(noise_seed)
+        noisy = (b.behaviour_logprobs + 0.3 * torch.randn(b.behaviour_logprobs.shape, generator=g)).clamp(max=0)
+        b = replace(b, behaviour_logprobs=noisy * b.loss_mask)
+        expect = expect or trainer_log_mixture(c, copies, b, own)
+        prox = Proximal(b.loss_mask[:, 1:].shape, core.device, c.trainer)
+        m = core.snapshots.balance_mixture(core.version, b, minibatch_plan(6, 1, 1, 0, 0), prox)
+        assert m["mis_balance/versions"] == 2 and m["mis_balance/mixed_samples"] == 0
+        assert prox.log_mix.tolist() == pytest.approx(expect, abs=1e-4)
 
 
 def test_mis_balance_without_a_snapshot_falls_back_to_seq_is(cfg):

@@ -140,7 +140,8 @@ class TrainerConfig:
     """Off-policy correction: none | tis | seq_is | geo_is (seq_is's geometric mean: the length-normalised
     sequence weight, GSPO's) | mis (masked IS) | icepop (mis with the window [0.5, 5]) | mis_balance (multiple IS with the
     balance heuristic, for consistent rollouts: generator.on_update=drain or run.mode=sync, and
-    generator.carry_over=keep; keeps max_staleness policy snapshots on the trainer) | ppo_is | vanilla_is."""
+    generator.carry_over=keep, and single-turn tasks unless run.mode=sync; every q_j is the trainer's,
+    from snapshots of the trainable parameters of the last max_staleness versions) | ppo_is | vanilla_is."""
     is_cap: float = 2.0
     """C: truncation cap of TIS / sequence IS (>= 1)."""
     mis_low: float | None = None

@@ -77,6 +77,12 @@ class Config:
                   "trainer.correction", "mis_balance", "with consistent rollouts only: generator.on_update=drain "
                   f"and generator.carry_over=keep, or run.mode=sync (now on_update={g.on_update!r}, "
                   f"carry_over={g.carry_over!r}: a sample's tokens may come from several versions)")
+            if self.run.mode != "sync":  # an update can land between a rollout's turns, drain or not
+                from pipeline.tasks import has_turns  # the task module; pipeline.tasks imports this package
+                check(not has_turns(self.task), "trainer.correction", "mis_balance",
+                      f"with single-turn rollouts only, or run.mode=sync (task {self.task.name!r} has an "
+                      f"environment and task.max_turns={self.task.max_turns}: an update between turns gives "
+                      "a rollout model tokens of several versions)")
         check(self.trainer.distill_coef == 0 or bool(self.teacher.hf_dir), "teacher.hf_dir", self.teacher.hf_dir,
               f"a teacher checkpoint directory or 'self' with trainer.distill_coef={self.trainer.distill_coef} "
               f"(trainer.recipe={self.trainer.recipe!r}): distillation needs a teacher")

@@ -43,6 +43,7 @@ import logging
 import math
 import numbers
 import random
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -53,7 +54,7 @@ from pipeline.config import TaskConfig
 from pipeline.types import Prompt, PromptItem
 
 __all__ = ["Task", "TaskError", "RewardRejected", "REWARD_REASONS", "check_reward", "load_task", "open_task",
-           "PromptStream", "epoch_order", "take"]
+           "has_turns", "PromptStream", "epoch_order", "take"]
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,27 @@ def load_task(path: str, cfg: TaskConfig | None = None) -> Task:
         raise TaskError(f"task {path!r}: its `env` is not callable; an environment factory is env(item) -> Env")
     return Task(name=path, prompts=obj.prompts, reward_fn=obj.reward, demonstration=demo if callable(demo) else None,
                 env=env)
+
+
+def has_turns(cfg: TaskConfig) -> bool:
+    """Whether a rollout of the task can have several model turns: task.max_turns > 1 and an
+    environment (task.env, the task's own `env`, or an `env` on the type its `from_config` is annotated
+    to return; nothing is built). A task that does not import says False: load_task reports it."""
+    if cfg.max_turns <= 1:
+        return False
+    if cfg.env:
+        return True
+    try:
+        obj = _resolve(cfg.name)
+    except (TaskError, ImportError):
+        return False
+    factory = getattr(obj, "from_config", None)
+    if callable(factory):
+        try:
+            obj = typing.get_type_hints(factory).get("return")
+        except NameError:  # an annotation that does not resolve: no type to read
+            return False
+    return callable(getattr(obj, "env", None))
 
 
 def open_task(cfg: TaskConfig, evaluate: bool) -> Task:

@@ -12,11 +12,13 @@ Contract:
   has refilled). `balance_mixture` runs before the batch's first forward: it copies the weights of
   the current version once (the weights its generators served; a skipped batch's applied minibatch
   steps do not replace them), drops those older than buffer.max_staleness versions, scores the
-  batch under each kept version it needs and puts the live weights back before it returns, also
-  when scoring raises. The copies are this rank's shards, so every rank keeps its own, in the
-  compute dtype (`dtype`, model.dtype): a bf16 snapshot of the float32 master is exactly what the
-  forward of that version computed with, at half the memory; the live weights it puts back are
-  copied at full precision.
+  batch under each behaviour version of it (the current one with the live weights while they are
+  still that version's, the others with their snapshots) and puts the live weights back before it
+  returns, also when scoring raises. Only trainable parameters (requires_grad) are copied: the frozen
+  ones (the LoRA base) are the same in every version. The copies are this rank's shards, so every
+  rank keeps its own, in the compute dtype (`dtype`, model.dtype): a bf16 snapshot of the float32
+  master is exactly what the forward of that version computed with, at half the memory; the live
+  weights it puts back are copied at full precision.
 
 Example:
     prox = Proximal(mask.shape, device, tcfg, score_ref, version)  # one batch
@@ -109,7 +111,8 @@ class GradChunks:
 
 class Snapshots:
     """mis_balance: this rank's shards of the weights of the last `keep` versions before the current
-    one (version -> a copy of every parameter in `dtype`), to score each sample under every
+    one (version -> a copy in `dtype` of the parameters that train: those with requires_grad; the frozen
+    ones, the base under LoRA, are the same in every version), to score each sample under every
     behaviour version of its batch. `score` is the learner's forward at the sampling temperature on
     `model`."""
 
@@ -119,14 +122,19 @@ class Snapshots:
 
     def balance_mixture(self, version: int, batch: Batch, plan: Plan, prox: Proximal) -> dict[str, float]:
         """prox.log_mix[i] = log Σ_j α_j q_j(y_i) over the behaviour versions j of the batch
-        (α_j = n_j / n); q_j is the sampler's own likelihood for the version that made y_i and the
-        snapshot of version j, scored here, for the others. A sample whose model tokens span
-        versions, or a batch with a version no snapshot is kept for (after a resume), gets seq_is's
-        weight (log_mix = Σ mask·mu). Metrics: versions, mixed samples, fallback, scoring seconds,
-        snapshot memory."""
+        (α_j = n_j / n). Every q_j is the trainer's, the version that made y_i included: a forward
+        with the snapshot of version j (the current version's with the live weights, π_old's, while
+        no step of it has been applied). One likelihood source, the one π_old comes from: the weight
+        corrects for the mixture of behaviour versions only, and the sampler/learner numeric mismatch
+        is not part of it (the mismatch metrics report it). A sample whose model tokens span versions
+        (the config refuses mis_balance where that can happen), or a batch with a version no snapshot
+        is kept for (after a resume), gets seq_is's weight (log_mix = Σ mask·mu), counted. Metrics:
+        versions, mixed samples, fallback, scoring seconds, snapshot memory (per version kept) and
+        the full-precision live copy made to put the live weights back."""
         t0 = time.monotonic()
         self._resharded()
-        if version not in self.weights:
+        fresh = version not in self.weights  # the live weights are still the served ones of `version`
+        if fresh:
             self.weights[version] = self._copy(self.dtype)
         for v in [v for v in self.weights if v < version - self.keep]:
             del self.weights[v]
@@ -139,22 +147,22 @@ class Snapshots:
         versions = sorted({v for v in own if v is not None})
         log_mix = mu_seq.clone()
         fallback = any(v not in self.weights for v in versions)
+        live: list[torch.Tensor] | None = None
         if versions and not fallback:
             counts = torch.tensor([sum(1 for v in own if v == j) for j in versions], dtype=torch.float64)
             logq = torch.full((batch.num_samples, len(versions)), float("nan"), dtype=torch.float64)
-            live = self._copy(None) if len(versions) > 1 else None
+            # the live weights first, while nothing is loaded; any other version needs them copied to put back
+            order = sorted(enumerate(versions), key=lambda kj: not (fresh and kj[1] == version))
+            live = self._copy(None) if any(not (fresh and j == version) for j in versions) else None
             try:
-                for k, j in enumerate(versions):
-                    if live is not None:  # q_j of the other versions' samples: forwards with version j's weights
+                for k, j in order:
+                    if not (fresh and j == version):
                         self._load(self.weights[j])
-                        with torch.no_grad():
-                            for _, micro in plan:
-                                for rows, _keep in micro:
-                                    lp = self.score(batch.input_ids[rows])
-                                    logq[rows, k] = (lp * mask[rows].to(lp.device)).sum(1).double().cpu()
-                    for i, v in enumerate(own):  # the version that made a sample: the sampler's own likelihood
-                        if v == j:
-                            logq[i, k] = mu_seq[i]
+                    with torch.no_grad():
+                        for _, micro in plan:
+                            for rows, _keep in micro:
+                                lp = self.score(batch.input_ids[rows])
+                                logq[rows, k] = (lp * mask[rows].to(lp.device)).sum(1).double().cpu()
             finally:
                 if live is not None:
                     self._load(live)
@@ -162,22 +170,30 @@ class Snapshots:
             if rows:
                 log_mix[rows] = losses.balance_log_mixture(logq[rows], counts)
         prox.log_mix = log_mix.to(prox.device)
-        snap_bytes = sum(sum(w.numel() * w.element_size() for w in ws) for ws in self.weights.values())
         return {"mis_balance/versions": float(len(versions)), "mis_balance/fallback": float(fallback),
                 "mis_balance/mixed_samples": float(sum(v is None for v in own)),
-                "mis_balance/score_s": time.monotonic() - t0, "mis_balance/snapshot_mb": snap_bytes / 2**20}
+                "mis_balance/score_s": time.monotonic() - t0, "mis_balance/snapshots": float(len(self.weights)),
+                "mis_balance/snapshot_mb": _mb(self.weights[version]), "mis_balance/live_copy_mb": _mb(live or [])}
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """This rank's shards of the parameters a step can change (requires_grad), in model order."""
+        return [local(p) for p in self.model.parameters() if p.requires_grad]
 
     def _copy(self, dtype: torch.dtype | None) -> list[torch.Tensor]:
-        """This rank's shards, in `dtype` (None: each parameter's own, an exact copy)."""
+        """The trainable shards, in `dtype` (None: each parameter's own, an exact copy)."""
         with torch.no_grad():
-            return [local(p).detach().to(dtype or p.dtype, copy=True) for p in self.model.parameters()]
+            return [p.detach().to(dtype or p.dtype, copy=True) for p in self._trainable()]
 
     def _load(self, weights: list[torch.Tensor]) -> None:
         self._resharded()
         with torch.no_grad():
-            for p, w in zip(self.model.parameters(), weights):
-                local(p).copy_(w)
+            for p, w in zip(self._trainable(), weights, strict=True):
+                p.copy_(w)
 
     def _resharded(self) -> None:
         """Parameters always seen as this rank's shards (what the snapshots hold; parallel.resharded)."""
         resharded(self.model)
+
+
+def _mb(tensors: list[torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
