@@ -58,7 +58,8 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
     G, B, eta = 8, 8, 1
     cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=40", "run.eval_every=0",
            "run.warm_start_steps=15", f"run.out_dir={out}", "run.progress=false", "weight_sync.verify=every",
-           f"run.log_rollouts={G * B}", "run.checkpoint_every=0", f"buffer.max_staleness={eta}"]
+           f"run.log_rollouts={G * B}", "run.checkpoint_every=0", f"buffer.max_staleness={eta}",
+           "generator.hang_timeout_s=120"]  # an engine starting beside them starves the others on 2 shared cores
     log = open(log_path, "w")
     p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
