@@ -36,6 +36,29 @@ def test_control_without_a_running_run_exits_1_naming_it(tmp_path):
     assert p.returncode == 1 and "no run is running" in p.stderr, p.stderr
 
 
+def test_a_joining_generator_takes_a_free_share_of_the_pinned_cores_and_none_past_them():
+    """Pinned generator.cpus: the joiner gets the share a removed generator freed, and never a core a
+    member holds: with every core held the join is refused (ConfigError: the add fails, the run goes on)."""
+    from pipeline.config import ConfigError, load_config
+    from pipeline.driver.fleet import Fleet
+    from pipeline.driver.pool import join_placement
+    from pipeline.placement import generator_placements
+
+    cfg = load_config(None, ["generator.num_generators=2", "generator.cpus=0-3"])
+    fleet = Fleet(cfg)
+    fleet.placements = generator_placements(cfg, [0, 0], 0)
+    assert [p.cpus for p in fleet.placements] == [(0, 1), (2, 3)]
+    fleet.generators[1].membership = "removed"
+    p = join_placement(cfg, fleet, 2, 0)
+    assert p.role == "generator2" and p.cpus == (2, 3)
+    fleet.new_generator(0, p)
+    fleet.generators[2].membership = "member"
+    with pytest.raises(ConfigError, match="generator3 cannot join host 0: no share of generator.cpus='0-3'"):
+        join_placement(cfg, fleet, 3, 0)  # every core is held: a share of 3 or more would overlap one
+    fleet.generators[0].membership = "removed"
+    assert join_placement(cfg, fleet, 3, 0).cpus == (0, 1)
+
+
 def steps(out: Path) -> int:
     m = out / "metrics.jsonl"
     return sum(1 for line in m.read_text().splitlines() if '"step": ' in line) if m.exists() else 0

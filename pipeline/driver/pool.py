@@ -71,20 +71,26 @@ def join_host(fleet: Any) -> int:
 
 def join_placement(cfg: Any, fleet: Any, i: int, host: int) -> Placement:
     """Generator i's placement on `host`: the first share k (of generator.cpus / generator.devices,
-    as pipeline/placement.py splits them) no member on that host holds, split as if the host ran
-    max(its generators at start, k + 1) generators. ConfigError when the host has no room."""
-    used = {fleet.placements[j].gpus or fleet.placements[j].cpus for j, s in fleet.active_generators()
-            if s.host == host and j < len(fleet.placements)}
+    split as pipeline/placement.py splits them, as if the host ran max(its generators at start, k + 1)
+    generators) that shares no core or GPU with a member on that host. ConfigError when none does."""
+    used = {x for j, s in fleet.active_generators() if s.host == host and j < len(fleet.placements)
+            for x in fleet.placements[j].gpus or fleet.placements[j].cpus}
     at_start = sum(1 for j in range(cfg.generator.num_generators) if fleet.generators[j].host == host)
     mesh = fleet.host_mesh
     hosts = mesh.sizes.get("hosts", 1) if mesh is not None else 1
     apart = getattr(getattr(fleet, "roles", None), "apart", False)
     per_host = 0 if apart else cfg.trainer.num_ranks // hosts
-    for k in range(64):
-        p = generator_placements(cfg, [host] * max(at_start, k + 1), per_host)[k]
-        if not (p.gpus or p.cpus) or (p.gpus or p.cpus) not in used:
+    k = 0
+    while True:
+        try:
+            p = generator_placements(cfg, [host] * max(at_start, k + 1), per_host)[k]
+        except ConfigError:
+            raise ConfigError(f"config: generator{i} cannot join host {host}: no share of generator.cpus="
+                              f"{cfg.generator.cpus!r} / generator.devices={cfg.generator.devices!r} is free of "
+                              "the other generators' (remove one first, or give them more)") from None
+        if not used.intersection(p.gpus or p.cpus):
             return dataclasses.replace(p, role=f"generator{i}")
-    raise ConfigError(f"config: no free generator.cpus / generator.devices share on host {host} for generator{i}")
+        k += 1
 
 
 def export_checksums(path: Path) -> dict[str, Checksum]:
