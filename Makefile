@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml
 		'py-key-value-aio[filetree,keyring,memory]>=0.4.4,<0.5' pyperclip uncalled-for tomli tomli_w \
 		'python-multipart>=0.0.26' watchfiles 'opentelemetry-api>=1.20' pydantic-settings python-dotenv \
 		'pydantic[email]' exceptiongroup 'certifi>=2026.10.19' 'starlette>=1.0.1'
+	# The Kubernetes client, for run.launcher=monarch launcher.job=kubernetes (Monarch's KubernetesJob, and
+	# tests/test_cluster.py rendering its MonarchMesh manifests). 31.x is the newest that takes urllib3 1.26,
+	# which torchx (torchmonarch's) pins.
+	$(BIN)/pip install kubernetes==31.0.0 'urllib3>=1.21.1,<1.27'
 	# The model assets that recipes and tests read, built once into .cache/ here rather than inside the first
 	# test that needs them: Qwen's real tokenizer (~1 min) and the dequantized SmolLM2 folder (~20 s).
 	$(BIN)/python -m pipeline.models.qwen3_tokenizer

@@ -24,6 +24,7 @@ starts. GPU ids are checked against torch.cuda.device_count() there, the only pl
 from __future__ import annotations
 
 import os
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -205,7 +206,8 @@ def apply(p: Placement) -> dict:
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
         names = [s.strip() for s in inherited.split(",")] if inherited else [str(i) for i in range(visible)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] for i in resolve_gpus(p, visible))
-    return {"role": p.role, "pid": os.getpid(), "cpus": format_ids(os.sched_getaffinity(0)), "pinned": bool(p.cpus),
+    return {"role": p.role, "pid": os.getpid(), "ppid": os.getppid(), "hostname": socket.gethostname(),
+            "cpus": format_ids(os.sched_getaffinity(0)), "pinned": bool(p.cpus),
             "threads": torch.get_num_threads(), "gpus": os.environ["CUDA_VISIBLE_DEVICES"] if p.gpus else "",
             "vllm_cpu_bind": p.vllm_cpu_bind}
 

@@ -13,9 +13,11 @@ submitted script (sbatch.sh) and the job's output (slurm-<id>.out).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -59,7 +61,9 @@ def run_under_monarch(cfg: Any, drive: Callable[..., int]) -> int:
 
     lc = cfg.launcher
     job = make_job(cfg)  # a ConfigError (exit 2) for what cannot be asked here, before anything is submitted
-    if lc.job == "process":
+    if lc.job == "process" or ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback:
+        # every host is this machine (process hosts, or a scheduler stand-in on a host whose name is
+        # loopback only): Monarch's TCP stays on loopback
         configure(default_transport=ChannelTransport.TcpWithLocalhost)
     check_satisfiable(cfg, job)
     cdir = cluster_dir(cfg)
@@ -94,7 +98,9 @@ def run_under_monarch(cfg: Any, drive: Callable[..., int]) -> int:
         _write(cdir / "job.json", record)
         try:
             state = job.state(cached_path=None)
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # Monarch's attach panics as a BaseException
             raise RunError(f"the {lc.job} job's hosts did not come up: {' '.join(str(e).split())}") from e
         meshes = SimpleNamespace(**{role: getattr(state, mesh_name(cfg, role)) for role in lc.hosts()})
         roles = Roles.from_job(cfg, meshes, local=lc.job == "process")

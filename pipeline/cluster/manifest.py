@@ -7,8 +7,10 @@ through Monarch's KubernetesJob; and what it submits, rendered without a cluster
 Each role's mesh is named <launcher.name without '-'><role> (MonarchMesh names are lowercase
 letters and digits), with launcher.*_hosts replicas of the worker image launcher.kubernetes.image,
 the resources asked for (cpu, memory, nvidia.com/gpu = launcher.devices_per_host) as requests and
-limits, and a memory-backed /dev/shm when launcher.kubernetes.shm is set. The pod spec is the one
-Monarch's KubernetesJob builds (its worker bootstrap on launcher.kubernetes.port).
+limits, and a memory-backed /dev/shm when launcher.kubernetes.shm is set. The pod template is the one
+Monarch's KubernetesJob builds (its worker bootstrap on launcher.kubernetes.port). The run needs the
+`kubernetes` package (make setup installs it) and, in the cluster, the Monarch operator's MonarchMesh
+resource definition.
 """
 
 from __future__ import annotations
@@ -38,31 +40,25 @@ def resources(cfg: Any) -> dict[str, str]:
 
 
 def manifests(cfg: Any) -> list[dict]:
-    """The MonarchMesh resources launcher.job=kubernetes creates, one per role (as dicts)."""
-    from monarch._src.job.kubernetes import _WORKER_BOOTSTRAP_SCRIPT
-    from monarch._src.job.service_identity import (SERVICE_PROC_IDS_ENV, SERVICE_PROC_RANK_ENV,
-                                                   allocate_service_proc_ids, serialize_service_proc_ids)
+    """The MonarchMesh resources launcher.job=kubernetes creates, one per role (as dicts): the body
+    Monarch's KubernetesJob submits, with its own pod template."""
+    from kubernetes import client
+    from monarch._src.job.kubernetes import ImageSpec, KubernetesJob
+    from monarch._src.job.service_identity import allocate_service_proc_ids
 
     kc, out = cfg.launcher.kubernetes, []
+    image = ImageSpec(kc.image, resources=resources(cfg) or None, shared_memory_size=kc.shm or None)
     for role, n in cfg.launcher.hosts().items():
-        res = resources(cfg)
-        container: dict = {
-            "name": "worker", "image": kc.image, "command": ["python", "-u", "-c", _WORKER_BOOTSTRAP_SCRIPT],
-            "env": [{"name": "MONARCH_PORT", "value": str(kc.port)},
-                    {"name": SERVICE_PROC_RANK_ENV, "valueFrom": {"fieldRef": {
-                        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
-                    {"name": SERVICE_PROC_IDS_ENV, "value": serialize_service_proc_ids(allocate_service_proc_ids(n))}]}
-        spec: dict = {"containers": [container]}
-        if res:
-            container["resources"] = {"requests": dict(res), "limits": dict(res)}
-        if kc.shm:
-            container["volumeMounts"] = [{"name": "dev-shm", "mountPath": "/dev/shm"}]
-            spec["volumes"] = [{"name": "dev-shm", "emptyDir": {"medium": "Memory", "sizeLimit": kc.shm}}]
+        pod = KubernetesJob._build_worker_pod_template(image, kc.port, allocate_service_proc_ids(n))
         out.append({"apiVersion": f"{GROUP}/{VERSION}", "kind": "MonarchMesh",
-                    "metadata": {"name": mesh_name(cfg, role), "namespace": kc.namespace,
-                                 "labels": {"app.kubernetes.io/part-of": cfg.launcher.name, "pipeline/role": role}},
-                    "spec": {"replicas": n, "port": kc.port, "podTemplate": {"spec": spec}}})
+                    "metadata": {"name": mesh_name(cfg, role), "namespace": kc.namespace, "labels": labels(cfg, role)},
+                    "spec": {"replicas": n, "port": kc.port,
+                             "podTemplate": client.ApiClient().sanitize_for_serialization(pod)}})
     return out
+
+
+def labels(cfg: Any, role: str) -> dict[str, str]:
+    return {"app.kubernetes.io/part-of": cfg.launcher.name, "pipeline-role": role}
 
 
 def kubernetes_job(cfg: Any, meshes: dict[str, int]) -> Any:
@@ -80,7 +76,7 @@ def kubernetes_job(cfg: Any, meshes: dict[str, int]) -> Any:
         job.add_mesh(mesh_name(cfg, role), n, port=kc.port,
                      image_spec=ImageSpec(kc.image, resources=resources(cfg) or None,
                                           shared_memory_size=kc.shm or None),
-                     labels={"app.kubernetes.io/part-of": cfg.launcher.name, "pipeline/role": role})
+                     labels=labels(cfg, role))
     return job
 
 

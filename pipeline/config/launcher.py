@@ -41,7 +41,8 @@ class SlurmConfig:
 
     def check(self) -> None:
         check(not self.time or bool(_SLURM_TIME.match(self.time)), "launcher.slurm.time", self.time,
-              "Slurm's time syntax: MM, HH:MM:SS or D-HH:MM:SS")
+              "Slurm's time syntax: MM, HH:MM:SS or D-HH:MM:SS, quoted in a YAML file ('12:00:00': unquoted, "
+              "YAML reads 12:00:00 as the number 43200)")
         for line in self.sbatch:
             check(isinstance(line, str) and line.startswith("-") and "\n" not in line, "launcher.slurm.sbatch", line,
                   "a list of sbatch options, each one line starting with '-' (e.g. '--constraint=h100')")
@@ -144,6 +145,10 @@ def check_launcher(cfg) -> None:
           f"a divisor of trainer.num_ranks={t.num_ranks} (each trainer host runs num_ranks / trainer_hosts ranks)")
     check(g.num_generators >= lc.generator_hosts, "launcher.generator_hosts", lc.generator_hosts,
           f"at most generator.num_generators={g.num_generators} (a generator host without a generator is idle)")
+    sides = bool(cfg.reward_model.path) + bool(cfg.teacher.hf_dir)
+    check(lc.side_hosts <= sides, "launcher.side_hosts", lc.side_hosts,
+          f"at most {sides}, the side meshes configured (reward_model.path, teacher.hf_dir): a side host without "
+          "one is idle")
     apart = lc.generator_hosts > 0 or lc.trainer_hosts > 1
     check(not apart or cfg.weight_sync.transport != "shm", "weight_sync.transport", cfg.weight_sync.transport,
           "'rdma' or 'collective' when launcher.generator_hosts > 0 or launcher.trainer_hosts > 1 ('shm' reaches "

@@ -10,6 +10,8 @@ receives plain dataclasses (`OmegaConf.to_object`), never a DictConfig.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -49,12 +51,24 @@ def _refuse_removed(given: Mapping[str, Any], where: str) -> None:
                               f"{REMOVED_KEYS[key]}. Drop it from the config")
 
 
+def _colons_as_text(override: str) -> str:
+    """key=12:00:00 stays the text 12:00:00: YAML would read it as a base-60 number (43200); `key=`
+    is the empty text (as `key=""` in a shell is)."""
+    key, value = override.split("=", 1)
+    if value == "":
+        return f'{key}=""'
+    if ":" in value and not value.startswith(("[", "{", "'", '"')):
+        return f"{key}={json.dumps(value)}"
+    return override
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file, then `key=value` overrides; raises ConfigError on any bad input."""
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"config: override {ov!r} is not of the form key=value")
     _refuse_removed(dict(ov.split("=", 1) for ov in overrides), "a command-line override")
+    overrides = [_colons_as_text(ov) for ov in overrides]
     try:
         cfg = OmegaConf.structured(Config)
         # The recipe parts start unset (the defaults' own __post_init__ resolved them), so that the
