@@ -1,8 +1,9 @@
 """Every registered model family computes HF transformers' function, and what this build cannot train is
 refused before anything starts: random small llama (Llama 3.1 RoPE scaling, GQA, untied head), qwen2 (q/k/v
-bias, tied) and qwen3 (q/k norm) checkpoints written by transformers itself; fp32 logits compared; unknown
-model_type and unsupported fields raise ModelError naming the directory, field and value; the CLI exits 2
-with one line; a resume across a changed field is refused. Each checkpoint is 2 layers, 64 wide (~2 s)."""
+bias, tied) and qwen3 (q/k norm) checkpoints written by transformers itself; fp32 logits compared, bf16
+norms bit for bit and bf16 log-probs; unknown model_type and unsupported fields raise ModelError naming the
+directory, field and value; the CLI exits 2 with one line; a resume across a changed field is refused. Each
+checkpoint is 2 layers, 64 wide (~2 s)."""
 
 import json
 import shutil
@@ -80,6 +81,33 @@ def test_trainer_logits_equal_hf_transformers_fp32(checkpoints, family):
     for k, v in out.items():  # HF names and HF row order out: bit for bit what was loaded
         assert torch.equal(v, src[k]), k
     assert set(src) - set(out) <= {"lm_head.weight"}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trainer_norms_round_as_hf_transformers_in_bf16(checkpoints, family):
+    """In bf16 each RMSNorm (the q/k norms too) rounds the float32-normalised input to bf16, then multiplies
+    by the bf16 weight, as HF and vLLM do (pipeline/models/norm.py): bit for bit HF's output. torch's
+    F.rms_norm rounds once, after the weight: one bf16 step apart on ~1/4 of the outputs, a mean
+    |Δ log p| of ~5e-3 on these checkpoints. The whole bf16 model then gives HF's log-probs."""
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from transformers import AutoModelForCausalLM
+
+    d = checkpoints[family]
+    model, adapter = build_model(d, dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16)
+    hf_modules = dict(hf.named_modules())
+    gen = torch.Generator().manual_seed(2)
+    norms = [(n, m) for n, m in model.named_modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * 2 + 1 + (2 * 2 if family == "qwen3" else 0)
+    with torch.no_grad():
+        for name, norm in norms:
+            x = (3 * torch.randn(2, 40, norm.weight.shape[0], generator=gen)).bfloat16()
+            ref = hf_modules[adapter.hf_name(f"{name}.weight").removesuffix(".weight")]
+            assert torch.equal(norm(x), ref(x)), name
+        ids = torch.randint(0, VOCAB, (2, 40), generator=gen)
+        ours = torch.log_softmax(model(ids).float(), -1)
+        ref = torch.log_softmax(hf(ids).logits.float(), -1)
+    assert (ours - ref).abs().mean().item() <= 5e-4  # 0 on this machine's kernels
 
 
 def test_llama3_rope_scaling_is_read_and_changes_the_function(checkpoints, tmp_path):

@@ -8,8 +8,9 @@ its config.json into an Arch and names what is its own; everything here follows 
     adapter = HFAdapter(arch)                                # to_hf / from_hf: HF names, HF row order
 
 Layout: torchtitan's GQAttention with a fused QKV Linear laid out KV group by KV group (hpk query heads,
-one key head, one value head; `qkv_split`), SwiGLU FFN (w1 gate, w3 up, w2 down), RMSNorms, and
-rotate-half RoPE (models/rope.py) applied to q/k in HF's row order. The adapter is a plain rename: it
+one key head, one value head; `qkv_split`), SwiGLU FFN (w1 gate, w3 up, w2 down), RMSNorms rounded in
+bf16 as HF and vLLM round them (models/norm.py), and rotate-half RoPE (models/rope.py) applied to q/k in
+HF's row order. The adapter is a plain rename: it
 never permutes q/k rows (torchtitan's Llama 3 adapter does, for its complex RoPE; a push, a LoRA split
 or a sharded box computed from permuted rows would be silently wrong while a bytes-only verify passes).
 """
@@ -156,18 +157,20 @@ def refuse_sliding_window(f: Fields) -> None:
 
 
 def titan_config(arch: Arch):
-    """torchtitan Decoder config for `arch`: fused QKV, causal SDPA (CPU has no Flex backward), HF RoPE."""
+    """torchtitan Decoder config for `arch`: fused QKV, causal SDPA (CPU has no Flex backward), HF RoPE,
+    RMSNorm rounded as HF rounds it."""
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
-    from torchtitan.models.common.nn_modules import RMSNorm
     from torchtitan.models.qwen3 import Qwen3Model, Qwen3TransformerBlock
 
+    from pipeline.models.norm import HFRMSNorm
     from pipeline.models.rope import HFRoPE
 
     normal = {"weight": lambda w: torch.nn.init.normal_(w, std=0.02), "bias": torch.nn.init.zeros_}
-    norm = lambda n: RMSNorm.Config(normalized_shape=n, eps=arch.norm_eps,  # noqa: E731
-                                    param_init={"weight": torch.nn.init.ones_})
+    # HF's rounding in bf16 (pipeline/models/norm.py), torchtitan's RMSNorm and state dict otherwise
+    norm = lambda n: HFRMSNorm.Config(normalized_shape=n, eps=arch.norm_eps,  # noqa: E731
+                                      param_init={"weight": torch.nn.init.ones_})
     rope = HFRoPE.Config(head_dim=arch.head_dim, max_seq_len=arch.max_positions, theta=arch.rope_theta,
                          llama3=arch.llama3_rope)
     layers = []
