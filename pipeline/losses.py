@@ -33,7 +33,7 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
                                           keeps them, so dropping never up-weights the rest)
     ppo_is      w = 1, r = exp(logp − mu)
     mis_balance w = min(exp(clamp(Σ_t mask·old − log Σ_j α_j q_j(y), ±20)), C), one weight per
-                sequence: multiple importance sampling with the balance heuristic (seed 002, §3.2).
+                sequence: multiple importance sampling with the balance heuristic (Veach & Guibas 1995).
                 A batch whose samples come from J behaviour versions, n_j samples from version j
                 (α_j = n_j / n), weights each sample by π_old(y) / Σ_j α_j q_j(y), whatever version
                 made it. q_j(y) is the sequence likelihood under version j, the trainer's for every j (its
@@ -422,9 +422,3 @@ def adapt_entropy_coef(coef: float, entropy: float, cfg: TrainerConfig) -> float
     if cfg.entropy_target <= 0 or entropy != entropy or abs(entropy) == float("inf"):
         return coef
     return min(max(coef + cfg.entropy_adapt_rate * (cfg.entropy_target - entropy), 0.0), cfg.entropy_coef_max)
-
-
-def token_entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Σ over loss tokens of the entropy of π_θ(· | prefix); logits [N, T-1, V] already shifted."""
-    with torch.no_grad():
-        return (token_entropy(logits) * mask).sum().double()

@@ -1,4 +1,4 @@
-"""Reward model: a scalar-head scoring model served with streaming prefill (OPPO, seed 001).
+"""Reward model: a scalar-head scoring model served with streaming prefill (as OPPO does).
 
     scorer = StreamingScorer(hf_dir)                      # AutoModelForSequenceClassification, 1 label
     scorer.prefill("g0r0/3:1/0", 0, prompt_and_first_chunk)   # state: a prefix cache of 11 tokens

@@ -97,7 +97,7 @@ class RunConfig:
     collapse_patience: int = 20
     """... for this many steps in a row logs a warning naming the knobs to turn (>= 1)."""
     no_signal_share: float = 0.9
-    """Zero-signal alarm (pipeline/driver/signal.py): a step counts as without signal when at least
+    """Zero-signal alarm (pipeline/driver/learning_signal.py): a step counts as without signal when at least
     this share of the groups that finished in it had no reward spread (0 < x <= 1) ..."""
     no_signal_patience: int = 20
     """... and after this many such steps in a row the run warns once, with the numbers and the knobs
