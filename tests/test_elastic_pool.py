@@ -113,7 +113,7 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
     assert [e["kind"] for e in events] == ["added", "removed"], events
     added, removed = events
     assert added["generator"] == removed["generator"] == 1 and added["verified"] is True
-    assert removed["first_token_version"] == added["version"] and removed["tokens"] > 0, events
+    assert added["first_token_version"] == added["version"] and removed["tokens"] > 0, events
     assert removed["mode"] == "keep" and removed["drained"] is True
 
     buf = summary["stats"]["buffer"]
@@ -131,3 +131,37 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     live = [m["generators/live"] for m in metrics]
     assert 2.0 in live and live[-1] == 1.0, live
+
+
+@pytest.mark.slow
+def test_session_adds_a_generator_and_removes_the_first_under_abort(tmp_path):
+    """Session.add_generators / remove_generator: generator1 joins serving the trainer's version
+    (verified), both take a push; generator0 leaves at once (on_update=abort), its groups requeued,
+    and training goes on on generator1 alone; the last generator cannot be removed."""
+    from pipeline.driver.pool import PoolError
+    from pipeline.session import Session
+
+    s = Session.start("configs/tiny.yaml", [f"run.out_dir={tmp_path}", "run.warm_start_steps=0",
+                                            "generator.on_update=abort", "weight_sync.verify=every",
+                                            "generator.hang_timeout_s=120"])
+    try:
+        s.train_step()
+        assert s.add_generators(1) == [1]
+        s.sync()
+        assert s.versions() == {"trainer": 1, "generator0": 1, "generator1": 1}
+        out = s.remove_generator(0)
+        assert out["generator"] == 0 and out["mode"] == "abort" and out["drained"] is None and out["members"] == 1
+        s.train_step()
+        s.sync()
+        assert s.versions() == {"trainer": 2, "generator1": 2}
+        assert s.pipe.sync.verified_pushes == 2
+        with pytest.raises(PoolError, match="last generator"):
+            s.remove_generator(1)
+        buf = s.buffer_stats()
+        assert buf["requeued_groups"] == out["requeued_groups"]
+        assert buf["admitted_samples"] == buf["trained_samples"] + buf["dropped_samples"] + buf["held_samples"]
+    finally:
+        s.stop()
+    events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["generator"]) for e in events] == [("added", 1), ("removed", 0)]
+    assert events[0]["verified"] is True and events[0]["version"] == events[0]["first_token_version"] == 1

@@ -37,12 +37,12 @@ def steps(out: Path) -> int:
 
 
 def control(out: Path, arg: str) -> dict:
-    t0 = time.monotonic()
+    t0, asked = time.monotonic(), steps(out)
     p = subprocess.run([sys.executable, "-m", "pipeline.control", str(out), arg, "--timeout", "900"], cwd=REPO,
                        capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"pipeline.control {arg} failed ({p.returncode}): {p.stderr}")
-    return {**json.loads(p.stdout), "wall_s": time.monotonic() - t0, "at_step": steps(out)}
+    return {**json.loads(p.stdout), "wall_s": time.monotonic() - t0, "asked_at_step": asked, "at_step": steps(out)}
 
 
 def launch(out: Path, log: Path, args: list[str]) -> subprocess.Popen:
@@ -97,7 +97,7 @@ def measure(a: argparse.Namespace) -> dict:
                                       "run.keep_checkpoints=0"])
     wait_steps(p, run_a, a.grow_at)
     grow = control(run_a, "generators=2")
-    wait_steps(p, run_a, grow["at_step"] + a.shrink_after)
+    wait_steps(p, run_a, min(grow["at_step"] + a.shrink_after, a.steps - 10))  # steps left for "after"
     shrink = control(run_a, "generators=1")
     rc_a = p.wait()
     ms = rows(run_a / "metrics.jsonl")
@@ -105,7 +105,8 @@ def measure(a: argparse.Namespace) -> dict:
     events = rows(run_a / "faults.jsonl")
     ckpts = [m["step"] for m in ms if "checkpoint" in m and m.get("generators/live") == 2.0]
     res = {"date": time.strftime("%Y-%m-%d"), "run_a": {"rc": rc_a, "grow": grow, "shrink": shrink, "events": events,
-           "phases": [phase(ms, 0, grow["at_step"]), phase(ms, two[0], two[-1]), phase(ms, shrink["at_step"], a.steps)],
+           "phases": [phase(ms, 0, grow["asked_at_step"]), phase(ms, grow["asked_at_step"], two[0] - 1),
+                      phase(ms, two[0] - 1, two[-1]), phase(ms, shrink["at_step"], a.steps)],
            "checks": checks(run_a, a.steps) if rc_a == 0 else None}}
     if ckpts:
         k = ckpts[-1]
@@ -124,15 +125,16 @@ def report(res: dict) -> tuple[str, bool]:
     removed = next(e for e in a["events"] if e["kind"] == "removed")
     lines = ["| phase | steps | steps/s | trained tokens/s | generators' tokens/s | trainer idle | max staleness |",
              "|---|---|---|---|---|---|---|"]
-    for name, ph in zip(("1 generator (before)", "2 generators", "1 generator (after)"), a["phases"]):
+    names = ("1 generator (before)", "1 generator, the 2nd's engine starting", "2 generators", "1 generator (after)")
+    for name, ph in zip(names, a["phases"]):
         lines.append(f"| {name} | {ph['steps']} | {ph['steps_per_s']:.2f} | {ph['trained_tokens_per_s']:.0f} | "
                      f"{ph['gen_tokens_per_s']:.0f} | {ph['trainer_idle']:.2f} | {ph['staleness_max']:.0f} |")
-    lines += ["", f"join: requested at step {a['grow']['at_step'] - 0}, command returned after "
+    lines += ["", f"join: requested after step {a['grow']['asked_at_step']}, command returned after "
               f"{a['grow']['wall_s']:.1f} s (engine start included), generator{added['generator']} served version "
               f"{added['version']} (verified: {added['verified']}), its first tokens carried version "
-              f"{removed['first_token_version']}; leave: {removed['leave_s']:.2f} s ({removed['mode']}, drained: "
+              f"{added['first_token_version']}; leave: {removed['leave_s']:.2f} s ({removed['mode']}, drained: "
               f"{removed['drained']}), {removed['requeued_groups']} groups requeued, {removed['tokens']} tokens generated"]
-    ok = a["rc"] == 0 and removed["first_token_version"] == added["version"]
+    ok = a["rc"] == 0 and added["first_token_version"] == added["version"]
     for name, run in (("run A (1 -> 2 -> 1)", a), ("run B (resumed into 1 generator)", res.get("run_b"))):
         if run is None:
             lines.append(f"\n{name}: not run (no checkpoint while 2 generators served)")
@@ -158,9 +160,9 @@ def main() -> int:
     ap.add_argument("--out", default="outputs/elastic")
     ap.add_argument("--data", default="docs/data/elastic/elastic.json")
     ap.add_argument("--report", default=None, help="print the tables of a --data file and exit")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--grow-at", type=int, default=8)
-    ap.add_argument("--shrink-after", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--grow-at", type=int, default=10)
+    ap.add_argument("--shrink-after", type=int, default=10)
     ap.add_argument("--checkpoint-every", type=int, default=4)
     ap.add_argument("--resume-steps", type=int, default=6)
     a = ap.parse_args()

@@ -7,14 +7,16 @@
 
 Add, per generator (RestartWiring.bring_back's path, on a new slot): a MeshSlot with the next index
 (an index is never reused, so lessees, reward-model stream ids, placement.json and faults.jsonl name
-one generator each) on the host `join_host` picks, placed as share k of that host's generator.cpus /
-generator.devices (`join_placement`); the trainer exports its weights, the generator starts serving
-them as their version, so its tokens carry that version from the first; with weight_sync.verify on,
-what its engine serves is checked bit for bit against the export before it takes a request; it joins
-the push group at the next push boundary (WeightSync.rejoin), gets the side meshes, starts generating
-(if the run is generating) and, in a supervised run, is watched. Only then is it a member: the
-supervisor restarts, probes and budgets it like the first ones (Supervisor restarts members only).
-A generator that fails to join is stopped, its groups requeued, and the add raises.
+one generator each) on the host `join_host` picks, with the first share of generator.cpus /
+generator.devices no member holds (`join_placement`). The trainer exports its weights and the
+generator starts serving them as their version, with the side meshes (Fleet.spawn_generator); with
+weight_sync.verify on, what its engine serves is checked bit for bit against the export before it
+takes a request. It starts generating (if the run is generating) and, once its first tokens came
+back (the version they carry is recorded: the spawned one, as no push reaches it before it joins the
+push group), joins the push group at the next push boundary (WeightSync.rejoin); in a supervised run
+it is watched. Only then is it a member: the supervisor restarts, probes and budgets it like the
+first ones (Supervisor restarts members only). A generator that fails to join is stopped, its groups
+requeued, and the add raises.
 
 Remove, generator i: refused (PoolError) for an index that is not a member, one being restarted, or
 the last member. Otherwise it leaves the push group at the next push boundary (WeightSync.leave),
@@ -159,9 +161,11 @@ class Pool:
             version = await job.trainer.export_hf(str(path))
             gen = await job.fleet.spawn_generator(i, str(path), version)
             verified = await self._verify(i, gen, path, version)
-            await job.sync.rejoin(i, gen)  # live from here on
+            first = None
             if job.generating:
                 await call_within(f"generator{i}.start_generation", gen.start_generation.call_one(job.buffer))
+                first = await self._first_tokens(i, gen)
+            await job.sync.rejoin(i, gen)  # live from here on
         except BaseException as e:
             await self._drop(slot, i)
             self._event({"kind": "add_failed", "generator": i, "cause": f"{type(e).__name__}: {e}"[:500]})
@@ -172,11 +176,25 @@ class Pool:
         if job.supervised:
             job.supervisor.watch(slot)
         event = {"kind": "added", "generator": i, "host": slot.host, "version": version, "verified": verified,
+                 "first_token_version": first,
                  "pid": slot.pids[0][0] if slot.pids else None, "join_s": time.monotonic() - t0,
                  "members": len(self.members())}
         self._event(event)
         log.warning("generator%d joined on host %d serving version %d%s in %.1fs; %d generators", i, slot.host,
                     version, " (verified)" if verified else "", event["join_s"], event["members"])
+
+    async def _first_tokens(self, i: int, gen: Any) -> int | None:
+        """The version its first tokens carry, once it returned some (no push reaches it before it
+        rejoins, so that is the version it was spawned on); None if none came within
+        generator.request_timeout_s (admission closed meanwhile): it joins the pushes all the same."""
+        g = self.job.cfg.generator
+        deadline = time.monotonic() + g.request_timeout_s
+        while time.monotonic() < deadline:
+            stats = await call_within(f"generator{i}.stats", gen.stats.call_one(), g.health_timeout_s)
+            if stats.get("first_token_version") is not None:
+                return stats["first_token_version"]
+            await asyncio.sleep(DRAIN_POLL_S)
+        return None
 
     async def _verify(self, i: int, gen: Any, path: Path, version: int) -> bool:
         """With weight_sync.verify on (and no LoRA, whose export is not what the engine serves whole):
