@@ -27,7 +27,7 @@ tokenizer, since it reads the policy's token ids (`check_tokenizer`).
 
 Pure torch + transformers, no Monarch: actors/reward_model.py serves it on its own mesh.
 `init_scorer` makes a scorer from a causal-LM checkpoint (its body, a fresh head), the start of
-tools/train_reward_model.py.
+tools/build/train_reward_model.py.
 """
 
 from __future__ import annotations

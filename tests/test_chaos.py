@@ -1,5 +1,5 @@
 """Generators killed mid-run (engine core, then a whole proc) are restarted and the run completes:
-the short version of tools/chaos.py, on the real job (CLI, Monarch, vLLM, torchtitan)."""
+the short version of tools/probe/chaos.py, on the real job (CLI, Monarch, vLLM, torchtitan)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_killed_generators_are_restarted_and_no_admitted_group_is_lost(tmp_path):
     out = tmp_path / "chaos"
-    p = subprocess.run([sys.executable, "tools/chaos.py", "--quick", "--out", str(out)], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "tools.probe.chaos", "--quick", "--out", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=1500)
     report = json.loads((out / "chaos.json").read_text()) if (out / "chaos.json").exists() else {}
     assert p.returncode == 0, p.stdout[-9000:] + p.stderr[-2000:]
@@ -24,7 +24,7 @@ def test_killed_generators_are_restarted_and_no_admitted_group_is_lost(tmp_path)
     kinds = [k["kind"] for k in report["kills"]]
     assert kinds == ["engine core", "generator proc"]
     for k in report["kills"]:
-        # found by the death notice, not by a call's timeout (how fast is tools/chaos.py's report, not a test)
+        # found by the death notice, not by a call's timeout (how fast is tools/probe/chaos.py's report, not a test)
         assert "did not answer within" not in k["cause"], k
         assert 0 <= k["detection_s"] <= k["recovery_s"], k
     assert report["buffer"]["requeued_groups"] >= 0

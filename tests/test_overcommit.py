@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 from pipeline.config import BufferConfig
 from pipeline.overcommit import DeltaController, reward_slope, slope_tstat
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import overcommit_sim  # noqa: E402
+from tools.bench import overcommit_sim
 
 
 def ctl(mode="adaptive", **kw) -> DeltaController:

@@ -1,4 +1,4 @@
-"""tools/peer_compare.py's pure parts: the settings map to TRL, the missing-extra message, the report;
+"""tools/compare/peer_compare.py's pure parts: the settings map to TRL, the missing-extra message, the report;
 on the SmolLM2 recipe (configs/smollm2-135m-add.yaml): its settings map, the reward on TRL's
 conversational completions, the prompt ids TRL generates from against encode_prompt's, HFEval's
 pass@k on chat prompts (a stand-in model), and recorded CLI runs as the project side.
@@ -14,12 +14,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import peer_compare  # noqa: E402
-import peer_trl  # noqa: E402
-
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config import load_config
+from tools.compare import peer_compare, peer_trl
 
 
 def test_trl_settings_follow_the_project_config():

@@ -1,6 +1,6 @@
-"""The planner (pipeline/sim/, tools/plan.py): cost files, the simulator's invariants, and its
-predictions against runs measured here (tools/plan_data/validation.json, recorded by
-`tools/plan.py validate`). Pure and fast: no Monarch, no vLLM."""
+"""The planner (pipeline/sim/, tools/plan/): cost files, the simulator's invariants, and its
+predictions against runs measured here (tools/plan/data/validation.json, recorded by
+`python -m tools.plan validate`). Pure and fast: no Monarch, no vLLM."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pipeline.sim.pipeline import check_modelled, sim_config
 from pipeline.sim.workload import RewardCurve, WorkloadError
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tools" / "plan_data"
+DATA = REPO / "tools" / "plan" / "data"
 BENCH = ["task.name=pipeline.tasks.longtail", "generator.ignore_eos=true", "generator.max_new_tokens=96",
          "buffer.batch_groups=8", "buffer.group_size=4"]
 COSTS = {"generator": {"iter_base_s": 0.002, "iter_per_seq_s": 5e-5, "iter_per_ctx_token_s": 0.0,
@@ -121,8 +121,8 @@ def test_contention_slows_each_side_only_while_the_other_is_busy():
 
 
 def test_prediction_within_tolerance_of_the_recorded_real_runs():
-    """The configurations of tools/pipeline_bench.py measured here (tools/plan_data/validation.json,
-    written by `tools/plan.py validate --record`: 3 repeats of each on a quiet machine), simulated
+    """The configurations of tools/bench/pipeline_bench.py measured here (tools/plan/data/validation.json,
+    written by `python -m tools.plan validate --record`: 3 repeats of each on a quiet machine), simulated
     again from the committed cost file: the predictions are the recorded ones (the docs' table is
     what this code predicts); generation is right (the sync batch wait within 10%); and at least six
     configurations meet every target of the issue: the async/sync ratio within 10%, trainer idle and
@@ -149,7 +149,7 @@ def test_prediction_within_tolerance_of_the_recorded_real_runs():
 
 def test_recommend_meets_the_idle_target_it_reports(capsys):
     """recommend's choice, simulated again, has the trainer idle under the target it claims to meet."""
-    from tools.plan_recommend import plan
+    from tools.plan.recommend import plan
 
     cfg = _cfg()
     rec = plan(cfg, costs_from_dict(COSTS), "lognormal:12,1.0,96,10", 10, max_idle=0.3, max_stale=1.0,

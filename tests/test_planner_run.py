@@ -1,6 +1,6 @@
-"""The planner's validation path on a real run made here and now: a short tools/pipeline_bench.py pair
+"""The planner's validation path on a real run made here and now: a short tools/bench/pipeline_bench.py pair
 (sync then async, the real CLI: Monarch procs, the vLLM engine, the torchtitan trainer, shm pushes)
-collected and compared by `tools/plan.py validate`'s code, as docs/planner.md's table is made.
+collected and compared by `python -m tools.plan validate`'s code, as docs/planner.md's table is made.
 
 Nothing timed is asserted: a ratio of two short runs on a shared machine is noise, and the machine
 running the suite is not the one the cost file was calibrated on. How well the planner predicts is
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from pipeline.sim import load_costs
-from tools.plan_validate import collect, compare
+from tools.plan.validate import collect, compare
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -26,7 +26,7 @@ STEPS = 3
 
 def test_short_real_pair_is_collected_and_compared(tmp_path):
     out = tmp_path / "e1_s1"
-    proc = subprocess.run([sys.executable, "tools/pipeline_bench.py", "--repeats", "1", "--steps", str(STEPS),
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.pipeline_bench", "--repeats", "1", "--steps", str(STEPS),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = collect(tmp_path)
@@ -38,7 +38,7 @@ def test_short_real_pair_is_collected_and_compared(tmp_path):
         steps = [r["step"] for r in rows if "reward/mean" in r]
         assert steps == list(range(1, len(steps) + 1)) and len(steps) >= STEPS - 1, (mode, steps)
         assert summary["stats"]["buffer"]["trained_samples"] > 0, summary["stats"]["buffer"]
-    case = compare("e1_s1", runs["e1_s1"], load_costs(REPO / "tools" / "plan_data" / "costs_here.json"),
+    case = compare("e1_s1", runs["e1_s1"], load_costs(REPO / "tools" / "plan" / "data" / "costs_here.json"),
                    *runs["e1_s1"]["spec"])
     real, pred = case["real"], case["predicted_from_sync_arm"]
     print(f"ratio real {case['ratio_real']:.2f}, from the sync arm {case['ratio_from_sync_arm']:.2f} (not asserted)")

@@ -1,17 +1,14 @@
-"""tools/recipe_compare.py's report, from synthetic metrics rows (its real runs: docs/training.md)."""
+"""tools/compare/recipe_compare.py's report, from synthetic metrics rows (its real runs: docs/training.md)."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from .conftest import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
-
-import recipe_compare  # noqa: E402
+from tools.compare import recipe_compare
 
 
 def rows(evals: dict[int, tuple[float, float]], steps: int, length: float, clip_high: float = 0.0) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The push cost model (pipeline/sim/push_model.py, push_cluster.py; tools/sync_cost.py): the fit
+"""The push cost model (pipeline/sim/push_model.py, push_cluster.py; tools/bench/sync_cost.py): the fit
 recovers known costs from synthetic pushes, and bad points or cluster files are errors naming what is
 wrong. Pure and fast: no Monarch, no transports."""
 
@@ -68,7 +68,7 @@ def test_points_missing_a_key_name_the_point_and_key(tmp_path):
 
 
 def test_cluster_file_missing_a_field_is_an_error_naming_it(tmp_path):
-    good = json.loads((REPO / "tools" / "plan_data" / "cluster_h100.json").read_text())
+    good = json.loads((REPO / "tools" / "plan" / "data" / "cluster_h100.json").read_text())
     check_cluster(good)
     for drop in ("nic_Bps", "per_transfer_s"):
         bad = {k: v for k, v in good.items() if k != drop}
@@ -87,7 +87,7 @@ def test_cluster_file_missing_a_field_is_an_error_naming_it(tmp_path):
 
 
 def test_projection_orders_the_modes_as_the_model_says():
-    cluster = load_cluster(REPO / "tools" / "plan_data" / "cluster_h100.json")
+    cluster = load_cluster(REPO / "tools" / "plan" / "data" / "cluster_h100.json")
     rows = {(r["model"], r["mode"]): r for r in project(cluster)}
     for m in cluster["models"]:
         full = rows[(m, "sharded, full")]

@@ -15,7 +15,7 @@ class RewardModelConfig:
 
     path: str = ""
     """HF checkpoint of a scoring model with a scalar head (AutoModelForSequenceClassification with
-    num_labels=1, a <family>ForSequenceClassification; tools/train_reward_model.py makes a tiny one
+    num_labels=1, a <family>ForSequenceClassification; tools/build/train_reward_model.py makes a tiny one
     from task demonstrations); empty: no reward model. It must share the policy's tokenizer, since it
     scores the policy's token ids as they stream (pipeline/reward_model.py). Served on its own mesh."""
     weight: float = 1.0

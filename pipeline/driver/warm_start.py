@@ -169,7 +169,7 @@ async def auto_warm_start(cfg: Config, task: Any, trainer: Any, tokenizer: Any, 
         log.info("warm start: %d steps, mean loss %.4f%s", steps, losses[-1], f"; {after.text()}" if after else "")
     if steps and not held_out:  # no probe reloaded them: the generators take the final weights now
         await reload(fleet, trainer, warm_dir, cfg.weight_sync.timeout_s)
-    elif not steps:  # out_dir/warm_start is the RL start, as after any warm start (tools/peer_compare.py reads it)
+    elif not steps:  # out_dir/warm_start is the RL start, as after any warm start (tools/compare/peer_compare.py reads it)
         await trainer.export_hf(str(warm_dir))
     if steps:
         await hand_over(trainer)

@@ -15,7 +15,7 @@ untrained Qwen3 is initialised; the logits of such a model are near uniform over
 Qwen3-0.6B file, model.safetensors stores `lm_head.weight` too, equal to `model.embed_tokens.weight`
 (tied models must load with or without it; this project's own saves leave it out).
 
-    python tools/make_qwen3.py --out DIR [--model Qwen3-1.7B] [--layers N --hidden H --ffn F --heads Q --kv-heads KV]
+    python -m tools.build.make_qwen3 --out DIR [--model Qwen3-1.7B] [--layers N --hidden H --ffn F --heads Q --kv-heads KV]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The files go to a folder keyed by a hash of everything they are made from (vocab
 template, format), so a changed input never reuses an old build; a build is written to a temporary
 folder and renamed into place, so concurrent builders never see half a tokenizer.
 
-Run `python -m pipeline.models.qwen3_tokenizer [--cache-dir DIR]` to build it by hand; tools/make_qwen3.py builds a whole
+Run `python -m pipeline.models.qwen3_tokenizer [--cache-dir DIR]` to build it by hand; tools/build/make_qwen3.py builds a whole
 checkpoint around it (pipeline/models/qwen3_checkpoint.py).
 """
 

@@ -6,14 +6,14 @@
     pipeline.py   simulate(): trainer loop, publish (sync / async), push (rolling), the buffer itself
     report.py     pipeline_bench's figures for a simulated or a real run, and the comparison plot
 
-tools/plan.py drives it (simulate, calibrate, validate, recommend, papers); docs/planner.md says how
+`python -m tools.plan` drives it (simulate, calibrate, validate, recommend, papers); docs/planner.md says how
 far to trust it.
 
 Pure Python: no Monarch, no vLLM.
 
 Example:
     cfg = load_config("configs/tiny.yaml", ["run.mode=async"])
-    res = simulate(cfg, load_costs("tools/plan_data/costs_here.json"), workload_from_spec("lognormal:12,1,96", cfg))
+    res = simulate(cfg, load_costs("tools/plan/data/costs_here.json"), workload_from_spec("lognormal:12,1,96", cfg))
     res.summary()["tokens_per_s"], res.summary()["staleness_hist"]
 """
 

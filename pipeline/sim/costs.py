@@ -173,7 +173,7 @@ def costs_from_dict(d: dict, where: str = "costs") -> Costs:
         raise CostFileError(f"{where}: a mapping of sections {sorted(_SECTIONS)} and 'source' expected, got {type(d).__name__}")
     missing = [k for k in (*_SECTIONS, "source") if k not in d]
     if missing:
-        hint = (" (contention: trainer_factor and generator_factor, measured by `tools/plan.py calibrate`; "
+        hint = (" (contention: trainer_factor and generator_factor, measured by `python -m tools.plan calibrate`; "
                 "write 1 and 1 for hardware the trainer and the generators do not share)") if "contention" in missing else ""
         raise CostFileError(f"{where}: missing component(s) {missing}; every one of {[*_SECTIONS, 'source']} "
                             f"is required{hint}")

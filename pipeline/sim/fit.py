@@ -1,5 +1,5 @@
 """Least squares with non-negative coefficients, shared by the planner's calibration
-(tools/plan_calibrate.py) and the push cost model (push_model.py): every fitted cost is a time, a
+(tools/plan/calibrate.py) and the push cost model (push_model.py): every fitted cost is a time, a
 time per item or a time per byte, so a negative one would be a fit of noise, not of the machine.
 
 Example:

@@ -42,7 +42,7 @@ one GPU (NVLink from its node, the NIC from the others), then `engines` copies o
 it needs the whole bf16 model in that GPU's memory.
 
 Example:
-    cluster = load_cluster("tools/plan_data/cluster_h100.json")
+    cluster = load_cluster("tools/plan/data/cluster_h100.json")
     rows = project(cluster)            # a dict per (model, mode): bytes, seconds, fits in memory
     print(projection_table(cluster, rows, PUBLISHED))
 """
@@ -198,7 +198,7 @@ def project(c: dict) -> list[dict]:
 
 def planner_push(c: dict, row: dict, shadow: bool = False) -> dict:
     """A projected row as the planner's cost-file `push` section (pipeline/sim/costs.py), so that
-    `tools/plan.py simulate` can run the cluster with it: `bytes` the bf16 model, the pack and the
+    `python -m tools.plan simulate` can run the cluster with it: `bytes` the bf16 model, the pack and the
     wire as pack and transfer, the apply as the load (the engine stalls for it); with shadow weights
     the apply joins the transfer (generation goes on) and the load is the swap."""
     model = row["params"] * c["dtype_bytes"]

@@ -22,7 +22,7 @@ the median push of every case (ranks, size, bucket size), so one push slowed by 
 machine does not pull the fit. `fit_transport` also fits the short form, fixed + per transfer +
 bytes per rank (no per-rank and no receiver term), to show what those two terms buy.
 
-A point (tools/sync_cost.py measure) is a mapping with at least POINT_KEYS; `load_points` checks them
+A point (tools/bench/sync_cost.py measure) is a mapping with at least POINT_KEYS; `load_points` checks them
 and names the point and key that is missing.
 
 Example:
@@ -64,7 +64,7 @@ def load_points(path: str | Path) -> list[dict]:
     """The points of a measure run, each checked to have POINT_KEYS with a time > 0."""
     p = Path(path)
     if not p.is_file():
-        raise PointsError(f"points file {p} does not exist: run tools/sync_cost.py measure first")
+        raise PointsError(f"points file {p} does not exist: run tools/bench/sync_cost.py measure first")
     pts = json.loads(p.read_text()).get("points")
     if not pts:
         raise PointsError(f"points file {p}: no 'points'")

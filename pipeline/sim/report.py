@@ -1,4 +1,4 @@
-"""What a simulated run reports, in the units and with the formulas of tools/pipeline_bench.py.
+"""What a simulated run reports, in the units and with the formulas of tools/bench/pipeline_bench.py.
 
 `SimResult.summary()` skips the first step, as pipeline_bench does for a real run (there it holds the
 engines' warm-up), and computes

@@ -1,6 +1,6 @@
 """The simulated run's workload: each prompt's token count and its G response lengths, and the reward.
 
-Three sources of lengths, named by a spec string (`--lengths` of tools/plan.py):
+Three sources of lengths, named by a spec string (`--lengths` of `python -m tools.plan`):
 
     task                  the configured task's own prompt stream (pipeline.tasks.PromptStream, the
                           buffer's order) with generator.ignore_eos=true: a response is exactly its

@@ -2,7 +2,7 @@
 
 Run with `generator.ignore_eos=true` so every completion uses its whole budget: response lengths
 then follow LogNormal(log(median), sigma) capped at `generator.max_new_tokens`, the shape that makes
-synchronous batching wait on its slowest sample. Used by tools/pipeline_bench.py.
+synchronous batching wait on its slowest sample. Used by tools/bench/pipeline_bench.py.
 """
 
 from __future__ import annotations

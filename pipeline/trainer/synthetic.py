@@ -1,4 +1,4 @@
-"""Synthetic RL batches for benchmarks and device checks (tools/trainer_bench.py, tools/gpu_check.py):
+"""Synthetic RL batches for benchmarks and device checks (tools/bench/trainer_bench.py, tools/probe/gpu_check.py):
 random tokens in the Batch layout, a prompt of `prompt_len` tokens then a completion that carries the
 loss, random advantages, and sampler log-probs either random or the learner's own plus noise.
 

@@ -1,0 +1,93 @@
+"""Learning curves from one or more runs' metrics.jsonl (seeds of one recipe): held-out greedy and
+sampled accuracy over wall time (minutes since the run started) and over steps, each run's gain from
+its first eval to its last eval within --budget-min minutes, the mean gain and its spread, and the
+median seconds of each step phase (time/* keys) per run.
+
+    python -m tools.compare.plot_learning_curve outputs/smollm2-seed1 outputs/smollm2-seed2 outputs/smollm2-seed3 \
+        --budget-min 30 --out docs/img/smollm2_add_curve.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from tools.lib.metrics import read_rows, step_rows
+from tools.lib.report import pyplot, save
+
+
+def gains(ev: list[dict], budget_s: float) -> dict | None:
+    """First eval -> last eval at or before budget_s of wall time: greedy, sampled, pass@k."""
+    within = [r for r in ev if r["time_s"] <= budget_s]
+    if len(within) < 2:
+        return None
+    a, b = within[0], within[-1]
+    out = {"step": b["step"], "minutes": b["time_s"] / 60}
+    for k, name in (("eval/reward_greedy", "greedy"), ("eval/reward", "sampled"), ("eval/pass@k", "pass@k")):
+        if k in a and k in b:
+            out[name] = (a[k], b[k], b[k] - a[k])
+    return out
+
+
+def spread(v: list[float]) -> str:
+    if len(v) < 2:
+        return f"{v[0]:+.3f}" if v else "-"
+    return f"{statistics.mean(v):+.3f} ± {statistics.stdev(v):.3f} (min {min(v):+.3f}, n={len(v)})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run_dirs", type=Path, nargs="+")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--budget-min", type=float, default=30.0, help="wall-time budget the gains are read at")
+    ap.add_argument("--title", default="")
+    a = ap.parse_args()
+    runs = [(d, read_rows(d / "metrics.jsonl")) for d in a.run_dirs]
+    per = {"greedy": [], "sampled": []}
+    for d, rs in runs:
+        ev = [r for r in rs if "eval/reward_greedy" in r]
+        tr = step_rows(rs)
+        print(f"== {d}")
+        print("step  minutes  greedy  sampled  pass@k")
+        for r in ev:
+            print(f"{r['step']:4d}  {r['time_s'] / 60:7.1f}  {r['eval/reward_greedy']:.3f}   {r['eval/reward']:.3f}    "
+                  f"{r.get('eval/pass@k', float('nan')):.3f}")
+        g = gains(ev, a.budget_min * 60)
+        if g is not None:
+            parts = ", ".join(f"{k} {v[0]:.3f} -> {v[1]:.3f} ({v[2]:+.3f})" for k, v in g.items() if isinstance(v, tuple))
+            print(f"within {a.budget_min:g} min (step {g['step']}, {g['minutes']:.1f} min): {parts}")
+            for k in per:
+                if k in g:
+                    per[k].append(g[k][2])
+        for k in sorted({k for r in tr for k in r if k.startswith("time/") or k == "sync/latency_s"}):
+            v = [r[k] for r in tr if isinstance(r.get(k), (int, float)) and r[k] == r[k]]
+            if v:
+                print(f"  {k:28s} median {statistics.median(v):7.2f} s  (n={len(v)})")
+    print(f"gain within {a.budget_min:g} min, over {len(runs)} run(s): greedy {spread(per['greedy'])}; "
+          f"sampled {spread(per['sampled'])}")
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (d, rs) in enumerate(runs):
+        ev = [r for r in rs if "eval/reward_greedy" in r]
+        c = colors[i % len(colors)]
+        for ax, x in ((axes[0], [r["time_s"] / 60 for r in ev]), (axes[1], [r["step"] for r in ev])):
+            ax.plot(x, [r["eval/reward_greedy"] for r in ev], "o-", color=c, label=f"{d.name}: greedy")
+            ax.plot(x, [r["eval/reward"] for r in ev], "s--", color=c, alpha=0.7, label=f"{d.name}: sampled")
+    axes[0].axvline(a.budget_min, color="grey", lw=0.8, ls=":")
+    axes[0].set_xlabel("wall time (minutes since the run started)")
+    axes[1].set_xlabel("step")
+    axes[0].set_ylabel("held-out accuracy")
+    for ax in axes:
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[1].legend(loc="upper left", fontsize=7)
+    fig.suptitle(a.title, fontsize=9)
+    save(fig, a.out, dpi=110)
+    print(a.out)
+
+
+if __name__ == "__main__":
+    main()
