@@ -31,7 +31,7 @@ class TeacherActor(RewardModelActor):
     def _load(self):
         import torch
 
-        from pipeline.model import model_dir
+        from pipeline.models.hf import model_dir
         from pipeline.config.teacher import SELF
         from pipeline.teacher import TeacherScorer
 

@@ -31,7 +31,7 @@ run.keep_checkpoints newest complete ones; 0 keeps all) removes the old ones as 
 
 Fingerprint: what a resume must match, else a ConfigError naming the key before any mesh starts:
 the model (every config.json field its family reads: shape, norm epsilon, RoPE, bias, tying; from
-model.tiny or model.hf_dir), the tokenizer, task.name,
+model.hf_dir's config.json), the tokenizer (a hash of its files), task.name,
 buffer.batch_groups and buffer.group_size, and what the learner scores the sampler's tokens with:
 generator.temperature, generator.logprobs_mode and model.dtype (the buffer a checkpoint holds was
 sampled and scored with them; a checkpoint whose fingerprint lacks them is checked against the config
@@ -42,7 +42,6 @@ and a log line says so.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -56,8 +55,8 @@ from typing import Any
 import torch
 
 from pipeline.config import REMOVED_KEYS, Config, ConfigError, flatten
-from pipeline.models import arch_from_config
-from pipeline.models.tiny import SPECIAL_TOKENS, tiny_config, tiny_vocab
+from pipeline.models import arch_from_config, builtin_for_tokenizer, resolve_builtin
+from pipeline.models.hf import tokenizer_hash
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +64,6 @@ MARKER = "COMPLETE.json"
 CONTROLLER_STATE = "controller_state.pt"
 _STEP = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"step_\d+\.(tmp|old)-[\d-]+")
-_TINY_KEYS = {"hidden_size": "model.tiny.dim", "intermediate_size": "model.tiny.ffn_dim",
-              "num_hidden_layers": "model.tiny.n_layers", "num_attention_heads": "model.tiny.n_heads",
-              "num_key_value_heads": "model.tiny.n_kv_heads", "head_dim": "model.tiny.dim / model.tiny.n_heads"}
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -235,13 +231,6 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------- fingerprint and resume
 
 
-def _sha256(*parts: bytes) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p)
-    return h.hexdigest()
-
-
 # config keys a resume keeps as they are (the module docstring): what the learner scores the buffer's
 # tokens with. Not task.openenv.url and the like: a run may serve its environment on another port.
 SCORING_KEYS = ("generator.temperature", "generator.logprobs_mode", "model.dtype")
@@ -256,22 +245,15 @@ def _scoring(config: dict) -> dict[str, Any]:
 def fingerprint(cfg: Config) -> dict[str, Any]:
     """What a resume must match (module docstring), read from files only: no model is built."""
     m = cfg.model
-    if m.hf_dir:
-        d = Path(m.hf_dir)
-        try:
-            conf = json.loads((d / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"config: model.hf_dir={m.hf_dir!r} is invalid; allowed: a HF checkpoint directory "
-                              f"with a readable config.json ({e})") from None
-        tok_files = sorted(p for p in d.iterdir()
-                           if p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens")))
-        tokenizer = _sha256(*(p.name.encode() + p.read_bytes() for p in tok_files))
-    else:
-        conf = tiny_config(m)
-        # the tiny tokenizer is defined by its vocabulary (pipeline.model builds tokenizer.json from it)
-        tokenizer = _sha256(json.dumps({"special": SPECIAL_TOKENS, "vocab": tiny_vocab()}, sort_keys=True).encode())
+    d = Path(resolve_builtin(m.hf_dir))
+    try:
+        conf = json.loads((d / "config.json").read_text())
+        tokenizer = tokenizer_hash(d)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config: model.hf_dir={m.hf_dir!r} is invalid; allowed: a HF checkpoint directory "
+                          f"with a readable config.json ({e})") from None
     # every field its family reads (pipeline/models: Arch.fingerprint), as the family reads it
-    arch = arch_from_config(conf, m.hf_dir or "the tiny model")
+    arch = arch_from_config(conf, m.hf_dir)
     fp: dict[str, Any] = {f"model.{k}": v for k, v in arch.fingerprint().items()}
     fp.update({"tokenizer": tokenizer, "task.name": cfg.task.name,
                "buffer.batch_groups": cfg.buffer.batch_groups, "buffer.group_size": cfg.buffer.group_size})
@@ -284,12 +266,9 @@ def _key_name(key: str, cfg: Config) -> str:
     if key in SCORING_KEYS:
         return key
     if key == "tokenizer":
-        return "model.hf_dir (tokenizer files)" if cfg.model.hf_dir else "the tiny model's tokenizer (pipeline.model)"
+        return "model.hf_dir (tokenizer files)"
     if key.startswith("model."):
-        k = key[len("model."):]
-        if cfg.model.hf_dir:
-            return f"model.hf_dir ({k} in config.json)"
-        return _TINY_KEYS.get(k, f"model.tiny ({k})")
+        return f"model.hf_dir ({key[len('model.'):]} in config.json)"
     return key
 
 
@@ -336,7 +315,12 @@ def prepare_resume(cfg: Config) -> Config:
     # a fingerprint written before SCORING_KEYS joined it: the checkpoint's recorded config has them
     # (the defaults for a key older than its config)
     recorded = {**_scoring(dataclasses.asdict(Config())), **_scoring(marker["config"])}
-    check_fingerprint({**recorded, **marker["fingerprint"]}, cfg, path)
+    saved = {**recorded, **marker["fingerprint"]}
+    # a tokenizer an older fingerprint named otherwise (pipeline/models builtin_for_tokenizer): its files' hash
+    builtin = builtin_for_tokenizer(saved.get("tokenizer", ""))
+    if builtin is not None:
+        saved["tokenizer"] = tokenizer_hash(resolve_builtin(builtin))
+    check_fingerprint(saved, cfg, path)
     if cfg.run.steps <= marker["step"]:
         raise ConfigError(f"config: run.steps={cfg.run.steps} is invalid; allowed: more than the step of the "
                           f"checkpoint run.resume={str(path)!r} ({marker['step']}): nothing would be left to train")

@@ -28,8 +28,8 @@ from pipeline import cleanup, logs
 from pipeline.checkpoint import prepare_resume
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.driver.calls import RunError
-from pipeline.model import check_model
 from pipeline.models import ModelError
+from pipeline.models.hf import check_model, resolved
 from pipeline.placement import check_host
 from pipeline.tasks import TaskError
 
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_host(cfg)  # the values are checked; now what needs this host and the disk, before any proc
+        cfg = resolved(cfg)  # a builtin: model.hf_dir -> the folder it builds once (pipeline/models BUILTIN)
         check_model(cfg.model)  # a model_type or config.json field this build cannot train (pipeline/models)
         cfg = prepare_resume(cfg)
         logs.configure(cfg.run.log_level)  # before any proc starts: they inherit VLLM_LOGGING_LEVEL

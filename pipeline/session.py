@@ -31,6 +31,7 @@ from pipeline.driver.hooks import Hooks, buffer_metrics
 from pipeline.driver.job import Job
 from pipeline.driver.loop import TrainLoop, finish_step
 from pipeline.driver.shutdown import shut_down
+from pipeline.models.hf import resolved
 from pipeline.placement import check_host
 from pipeline.run import loopback_only
 
@@ -51,6 +52,7 @@ class Session:
     def start(cls, config: str | Config | None = None, overrides: Sequence[str] = ()) -> "Session":
         cfg = config if isinstance(config, Config) else load_config(config, overrides)
         check_host(cfg)  # as the CLI does: a core this host lacks is a ConfigError before any proc
+        cfg = resolved(cfg)  # as the CLI does: a builtin: model.hf_dir -> its folder, built once
         loopback_only()  # one host: every listener of the session on loopback, as in a CLI run
         s = cls(cfg)
         try:

@@ -69,10 +69,9 @@ def run_and_kill(cmd: list[str], out, log_path, role: str, after_steps: int, tim
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    from pipeline.config import ModelConfig
-    from pipeline.model import ensure_tiny_assets
+    from pipeline.models.tiny import ensure_tiny
 
-    return ensure_tiny_assets(ModelConfig(cache_dir=str(REPO / ".cache" / "tiny-model")))
+    return ensure_tiny(cache_dir=REPO / ".cache" / "tiny-model")  # builtin:tiny
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from pipeline.config import Config, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from actors.trainer import Trainer
 from pipeline.generator.llm import stop_engine
-from pipeline.model import build_model, export_hf, model_dir, token_logprobs
+from pipeline.models.hf import build_model, export_hf, model_dir, token_logprobs
 from pipeline.tokens import load_tokenizer
 from pipeline.trainer.parallel import local, resharded
 from pipeline.trainer.snapshots import Proximal

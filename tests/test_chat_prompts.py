@@ -26,7 +26,7 @@ from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, Config, ConfigError, ModelConfig, TaskConfig
 from pipeline.driver.warm_start import demo_batch
 from pipeline.generator.core import GeneratorCore
-from pipeline.model import TINY_BOS_ID, TINY_EOS_ID, TINY_PAD_ID
+from pipeline.models.tiny import TINY_BOS_ID, TINY_EOS_ID, TINY_PAD_ID
 from pipeline.models.qwen3_tokenizer import ENDOFTEXT_ID, IM_END_ID
 from pipeline.models.qwen3_checkpoint import ensure_checkpoint, qwen3_config
 from pipeline.tasks import TaskError, load_task, open_task, take

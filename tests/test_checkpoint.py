@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,13 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 def tiny_cfg(out: Path, *overrides: str):
     return load_config(TINY, [f"run.out_dir={out}", *overrides])
+
+
+def three_layers() -> str:
+    """model.hf_dir=<a tiny checkpoint of another shape>: builtin:tiny with three layers."""
+    from pipeline.models.tiny import TinySpec, ensure_tiny
+
+    return f"model.hf_dir={ensure_tiny(TinySpec(n_layers=3), REPO / '.cache' / 'tiny-model')}"
 
 
 def write_checkpoint(ck: Checkpoints, step: int, payload: bytes = b"x" * 1000) -> Path:
@@ -92,11 +100,11 @@ def test_retention_keeps_only_the_newest_keep_checkpoints(tmp_path):
 def test_resume_with_a_changed_shape_fails_naming_the_key_and_other_changes_apply(tmp_path, caplog):
     write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
     resume = [f"run.out_dir={tmp_path}", "run.resume=latest"]
-    for override, key in [("model.tiny.n_layers=3", "model.tiny.n_layers"),
+    for override, key in [(three_layers(), "model.hf_dir (num_hidden_layers in config.json)"),
                           ("buffer.batch_groups=4", "buffer.batch_groups"),
                           ("buffer.group_size=4", "buffer.group_size"),
                           ("task.name=pipeline.tasks.arith", "task.name")]:
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        with pytest.raises(ConfigError, match=re.escape(key)):
             prepare_resume(load_config(TINY, [*resume, override]))
     with caplog.at_level(logging.INFO, logger="pipeline.checkpoint"):
         cfg = prepare_resume(load_config(TINY, [*resume, "trainer.lr=5e-4", "run.steps=900"]))
@@ -138,11 +146,30 @@ def test_a_checkpoint_without_the_sampling_fingerprint_is_checked_against_its_re
         prepare_resume(load_config(TINY, [*resume, "generator.temperature=0.7"]))
 
 
+def test_a_tiny_model_checkpoint_from_before_builtin_tiny_resumes_as_builtin_tiny(tmp_path):
+    """Before builtin:tiny an empty model.hf_dir was the tiny model: the marker recorded model.tiny.* and
+    model.cache_dir, and named the tokenizer by a hash of its vocabulary, not of its files."""
+    from pipeline.models.tiny import vocabulary_hash
+
+    path = write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
+    marker = json.loads((path / MARKER).read_text())
+    marker["fingerprint"]["tokenizer"] = vocabulary_hash()
+    marker["config"]["model"] = {"hf_dir": "", "cache_dir": ".cache/tiny-model", "dtype": "float32",
+                                 "tiny": {"seed": 0, "dim": 128, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                          "ffn_dim": 256, "max_seq_len": 256}}
+    (path / MARKER).write_text(json.dumps(marker))
+    resume = [f"run.out_dir={tmp_path}", "run.resume=latest"]
+    assert prepare_resume(load_config(TINY, resume)).run.resume == str(path)
+    with pytest.raises(ConfigError, match=re.escape("model.hf_dir (num_hidden_layers in config.json)")):
+        prepare_resume(load_config(TINY, [*resume, three_layers()]))
+
+
 @pytest.mark.parametrize("override,needle", [
     ("generator.temperature=0.7", "generator.temperature is 0.7 here, 1.0 in the checkpoint"),
-    ("model.tiny.n_layers=3", "model.tiny.n_layers")], ids=["temperature", "model_shape"])
+    ("three layers", "model.hf_dir (num_hidden_layers in config.json)")], ids=["temperature", "model_shape"])
 def test_cli_resume_with_another_fingerprinted_key_exits_2_before_any_mesh_starts(tmp_path, override, needle):
     write_checkpoint(Checkpoints(tiny_cfg(tmp_path)), 2)
+    override = three_layers() if override == "three layers" else override
     p = subprocess.run([sys.executable, "-m", "pipeline.run", "--config", str(TINY), f"run.out_dir={tmp_path}",
                         "run.resume=latest", override], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
@@ -214,9 +241,10 @@ def test_metrics_after_a_resume_have_no_duplicate_steps(tmp_path):
 
 def test_trainer_restores_rng_per_rank_and_takes_the_new_lr(tmp_path):
     from pipeline.config import Config, ModelConfig, TrainerConfig
+    from pipeline.models.tiny import ensure_tiny
     from pipeline.trainer.step import TrainCore
 
-    mc = ModelConfig(cache_dir=str(REPO / ".cache" / "tiny-model"))
+    mc = ModelConfig(hf_dir=str(ensure_tiny(cache_dir=REPO / ".cache" / "tiny-model")))
     a = TrainCore(Config(model=mc, trainer=TrainerConfig(lr=1e-3, warmup_steps=4)))
     a.optimizer.step()  # no gradients: the weights stay; the schedule moves one step into the warm-up
     a.scheduler.step()

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from pipeline.config import Config, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig
 from pipeline.config.errors import ConfigError
 from pipeline.losses import balance_log_mixture, policy_loss, token_entropy
-from pipeline.model import build_model, model_dir, token_logprobs
+from pipeline.models.hf import build_model, model_dir, token_logprobs
 from pipeline.trainer.chunked import chunkable, logprobs
 from pipeline.trainer.step import TrainCore
 from tests.test_trainer_core import make_batch

@@ -15,7 +15,28 @@ from .conftest import REPO
 def test_tiny_yaml_is_the_embedded_default_and_loads():
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     assert isinstance(cfg, Config)
-    assert cfg.model.hf_dir == "" and cfg.trainer.device == "cpu" and cfg.generator.engine == "vllm-cpu"
+    assert cfg.model.hf_dir == "builtin:tiny" and cfg.trainer.device == "cpu" and cfg.generator.engine == "vllm-cpu"
+
+
+def test_the_config_package_is_a_leaf_importing_nothing_else_of_the_project():
+    """pipeline.config imports no other project module (so every module may import it); a builtin:
+    model.hf_dir stays a name until pipeline/models resolves it at start-up."""
+    code = ("import sys, pipeline.config as c; "
+            "cfg = c.load_config('configs/tiny.yaml', ['model.hf_dir=builtin:smollm2-135m-instruct']); "
+            "print(cfg.model.hf_dir); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('pipeline'))))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    hf_dir, modules = p.stdout.splitlines()
+    assert hf_dir == "builtin:smollm2-135m-instruct"
+    others = [m for m in modules.split() if m != "pipeline" and not m.startswith("pipeline.config.")
+              and m != "pipeline.config"]
+    assert others == [], f"pipeline.config imported {others}"
+
+
+def test_an_empty_model_hf_dir_names_builtin_tiny():
+    with pytest.raises(ConfigError, match=r"model\.hf_dir='' is invalid; allowed: .*builtin:tiny"):
+        load_config(REPO / "configs" / "tiny.yaml", ["model.hf_dir="])
 
 
 def test_zero_signal_defaults_to_auto_and_takes_keep_or_drop():
@@ -150,7 +171,8 @@ def test_bad_multi_turn_settings_name_their_key(override, key):
 
 
 @pytest.mark.parametrize("key, value, why", [("generator.top_p", "1.0", "biased low"),
-                                             ("weight_sync.backend", "gloo", "trainer.backend")])
+                                             ("weight_sync.backend", "gloo", "trainer.backend"),
+                                             ("model.cache_dir", "/tmp/tiny", "model.hf_dir=builtin:tiny")])
 def test_removed_keys_are_refused_by_name_with_the_reason(tmp_path, key, value, why):
     """A removed key fails as a ConfigError naming it, from the command line and from a YAML file,
     even at its only accepted value, instead of OmegaConf's unknown-key error."""
@@ -161,6 +183,16 @@ def test_removed_keys_are_refused_by_name_with_the_reason(tmp_path, key, value, 
     yaml = tmp_path / "old.yaml"
     yaml.write_text(f"{section}:\n  {name}: {value}\n")
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}={value} \(in .*old\.yaml'\) is no longer a key"):
+        load_config(yaml)
+
+
+def test_the_tiny_models_shape_keys_are_refused_naming_builtin_tiny_and_the_builder(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.tiny\.n_layers=3 \(a command-line override\) is no longer a key, "
+                                          r"it was removed: .*builtin:tiny.*python -m pipeline\.models\.tiny"):
+        load_config(None, ["model.tiny.n_layers=3"])
+    yaml = tmp_path / "old.yaml"
+    yaml.write_text("model:\n  hf_dir: ''\n  tiny:\n    dim: 256\n")
+    with pytest.raises(ConfigError, match=r"model\.tiny\.dim=256 \(in .*old\.yaml'\) is no longer a key"):
         load_config(yaml)
 
 

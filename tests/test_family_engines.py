@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from pipeline.config import Config, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig
-from pipeline.model import token_logprobs
+from pipeline.models.hf import token_logprobs
 from pipeline.models.family_checkpoint import ensure_family_checkpoint
 from pipeline.tokens import load_tokenizer
 from pipeline.trainer.step import TrainCore

@@ -314,7 +314,7 @@ def test_controller_gives_a_skipped_batch_back_and_admission_reopens_on_real_act
     from pipeline.driver.hooks import Hooks
     from pipeline.driver.job import Job
     from pipeline.driver.loop import SyncPublish, TrainLoop
-    from pipeline.model import TINY_PAD_ID
+    from pipeline.models.tiny import TINY_PAD_ID
 
     cfg = Config(model=ModelConfig(), buffer=BufferConfig(group_size=2, batch_groups=1, max_staleness=0,
                                                           overcommit="none"),

@@ -161,7 +161,7 @@ def jsonl_task(path, eval_path=""):
 
 
 def test_jsonl_task_rewards_exact_answers_one_and_similar_ones_partially():
-    from pipeline.model import CHARS
+    from pipeline.models.tiny import CHARS
 
     task = jsonl_task(CAPITALS)
     train = take(task, 0, "train", 1000)
@@ -212,7 +212,7 @@ def bos_tokenizer_dir(tiny_dir: Path, out: Path) -> Path:
     special tokens (no Qwen or Llama tokenizer is on this machine, and nothing downloads)."""
     from tokenizers import Tokenizer, processors
 
-    from pipeline.model import TINY_BOS_ID
+    from pipeline.models.tiny import TINY_BOS_ID
 
     out.mkdir()
     tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
@@ -228,7 +228,7 @@ def test_generation_and_warm_start_tokenize_a_prompt_the_same_way(tiny_dir, tmp_
     Rollout) and demo_batch (the warm start) must agree, special tokens included; a
     demonstration never gets one. Fails if either path tokenizes on its own."""
     from pipeline.driver.warm_start import demo_batch
-    from pipeline.model import TINY_BOS_ID
+    from pipeline.models.tiny import TINY_BOS_ID
     from pipeline.tokens import load_tokenizer
     from pipeline.generator.core import GeneratorCore
 

@@ -4,7 +4,7 @@ One engine (built with on_update=keep, so prefix caching is off and every strate
 serves all tests; each weight update loads a different tiny checkpoint (seed k -> version k) through
 the generator's own weight-sync endpoints (`serve_checkpoint`: a same-host shm WeightSender here ->
 attach_weights -> stage_weights -> apply_weights). The work source is a real queue-backed actor defined here, feeding real
-prompts from pipeline.tasks.reverse. Trainer logprobs come from pipeline.model (torchtitan, fp32).
+prompts from pipeline.tasks.reverse. Trainer logprobs come from pipeline.models.hf (torchtitan, fp32).
 
     .venv/bin/python -m pytest -q tests/test_generator.py -x
 """
@@ -24,9 +24,10 @@ import torch
 from monarch.actor import Actor, endpoint, this_host
 
 from actors.generator import GeneratorActor
-from pipeline.config import Config, GeneratorConfig, ModelConfig, TinyModelConfig
+from pipeline.config import Config, GeneratorConfig, ModelConfig
 from pipeline.generator.liveness import WORKING_CAP_FACTOR
-from pipeline.model import build_model, ensure_tiny_assets, token_logprobs
+from pipeline.models.hf import build_model, token_logprobs
+from pipeline.models.tiny import TinySpec, ensure_tiny
 from pipeline.procs import descendants
 from pipeline.tasks import load_task, take
 from pipeline.types import PromptGroup, PromptItem
@@ -74,19 +75,19 @@ class QueueSource(Actor):
 
 
 def make_cfg() -> Config:
-    return Config(model=ModelConfig(cache_dir=CACHE), generator=GeneratorConfig(
+    return Config(model=ModelConfig(hf_dir=str(ckpt(0))), generator=GeneratorConfig(
         concurrency=N_PRIME, on_update="keep", carry_over="keep", max_new_tokens=MAX_NEW, ignore_eos=True,
         temperature=1.0, max_model_len=256, start_timeout_s=240, request_timeout_s=120))
 
 
 def ckpt(seed: int):
-    return ensure_tiny_assets(ModelConfig(cache_dir=CACHE, tiny=TinyModelConfig(seed=seed)))
+    return ensure_tiny(TinySpec(seed=seed), CACHE)
 
 
 async def serve_checkpoint(gen, version: int, on_update: str) -> int:
     """Make `gen` serve tiny checkpoint seed `version` as `version` through its production endpoints."""
     from pipeline.config import WeightSyncConfig
-    from pipeline.model import load_hf_state_dict
+    from pipeline.models.hf import load_hf_state_dict
     from pipeline.weightsync import WeightSender
 
     sd = load_hf_state_dict(ckpt(version))
@@ -408,7 +409,7 @@ def test_feeds_the_real_replay_buffer(env):
     """The production wiring: admit(wait_s) / add / release against ReplayBufferActor, then a Batch."""
     from actors.replay_buffer import ReplayBufferActor
     from pipeline.config import BufferConfig
-    from pipeline.model import TINY_PAD_ID
+    from pipeline.models.tiny import TINY_PAD_ID
 
     loop, gen, src, model = env
     cfg = make_cfg()
@@ -440,7 +441,7 @@ def test_engine_core_killed_during_a_weight_apply_fails_it_within_seconds(env):
     returns; the apply (pause, load, label, resume) must fail within seconds naming the dead engine,
     not after weight_sync.timeout_s, and the generator must report itself broken."""
     from pipeline.config import WeightSyncConfig
-    from pipeline.model import load_hf_state_dict
+    from pipeline.models.hf import load_hf_state_dict
     from pipeline.weightsync import WeightSender
 
     loop, gen, _, _ = env

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from pipeline.config import Config, ConfigError, GeneratorConfig, LoraConfig, ModelConfig, TrainerConfig, load_config
-from pipeline.model import read_hf_config, token_logprobs
+from pipeline.models.hf import read_hf_config, token_logprobs
 from pipeline.lora import lora_parameters
+from pipeline.models.tiny import ensure_tiny
 from pipeline.trainer.snapshots import Proximal
 from pipeline.trainer.step import TrainCore, minibatch_plan
 
@@ -27,7 +28,7 @@ LORA = LoraConfig(rank=8, alpha=16.0)
 
 
 def lora_cfg(**kw) -> Config:
-    return Config(model=ModelConfig(cache_dir=str(REPO / ".cache" / "tiny-model")),
+    return Config(model=ModelConfig(hf_dir=str(ensure_tiny(cache_dir=REPO / ".cache" / "tiny-model"))),
                   generator=GeneratorConfig(on_update="abort"), trainer=TrainerConfig(lr=3e-3, lora=LORA, **kw))
 
 
@@ -53,7 +54,7 @@ def test_only_the_adapters_train_and_a_push_carries_only_them(tiny_dir):
     assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in sd)
     plan = BucketPlan.from_state_dict(core.state.hf_meta(), 1 << 20)
     assert {e.name for e in plan.entries} == set(sd)
-    from pipeline.model import export_hf
+    from pipeline.models.hf import export_hf
 
     full = sum(v.numel() * v.element_size() for v in export_hf(core.model, core.adapter).values())
     assert plan.total_bytes * 5 < full  # r = 8 on a 128-wide model: a fraction of the weights

@@ -4,10 +4,8 @@ import json
 
 import torch
 
-from pipeline.config import ModelConfig, TinyModelConfig
-from pipeline.model import (
-    TINY_EOS_ID, build_model, ensure_tiny_assets, export_hf, load_hf_state_dict, token_logprobs,
-)
+from pipeline.models.hf import build_model, export_hf, load_hf_state_dict, token_logprobs
+from pipeline.models.tiny import TINY_EOS_ID, TinySpec, ensure_tiny
 from pipeline.tokens import load_tokenizer
 
 
@@ -37,12 +35,12 @@ def test_hf_to_torchtitan_to_hf_round_trip_is_bit_exact(tiny_dir):
 
 
 def test_tiny_assets_are_deterministic_per_seed(tmp_path):
-    a = ensure_tiny_assets(ModelConfig(cache_dir=str(tmp_path / "a"), tiny=TinyModelConfig(seed=1)))
-    b = ensure_tiny_assets(ModelConfig(cache_dir=str(tmp_path / "b"), tiny=TinyModelConfig(seed=1)))
-    c = ensure_tiny_assets(ModelConfig(cache_dir=str(tmp_path / "c"), tiny=TinyModelConfig(seed=2)))
+    a = ensure_tiny(TinySpec(seed=1), tmp_path / "a")
+    b = ensure_tiny(TinySpec(seed=1), tmp_path / "b")
+    c = ensure_tiny(TinySpec(seed=2), tmp_path / "c")
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
-    assert ensure_tiny_assets(ModelConfig(cache_dir=str(tmp_path / "a"), tiny=TinyModelConfig(seed=1))) == a
+    assert ensure_tiny(TinySpec(seed=1), tmp_path / "a") == a
 
 
 def test_tokenizer_is_character_level_and_round_trips(tiny_dir):

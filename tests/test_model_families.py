@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pipeline.config import Config, ConfigError, ModelConfig
-from pipeline.model import ModelError, build_model, export_hf, load_hf_state_dict, read_arch
+from pipeline.models import ModelError, read_arch
+from pipeline.models.hf import build_model, export_hf, load_hf_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 96

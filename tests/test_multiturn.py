@@ -21,7 +21,7 @@ import pytest
 
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, Config, GeneratorConfig, ModelConfig, TaskConfig
-from pipeline.model import TINY_EOS_ID, TINY_PAD_ID
+from pipeline.models.tiny import TINY_EOS_ID, TINY_PAD_ID, ensure_tiny
 from pipeline.tokens import encode_completion
 from pipeline.generator.core import GeneratorCore
 from pipeline.tasks import take
@@ -72,7 +72,7 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def eng():
-    cfg = Config(model=ModelConfig(cache_dir=CACHE),
+    cfg = Config(model=ModelConfig(hf_dir=str(ensure_tiny(cache_dir=CACHE))),
                  generator=GeneratorConfig(concurrency=4, on_update="keep", max_new_tokens=MAX_NEW, ignore_eos=True,
                                            max_model_len=128, start_timeout_s=240, request_timeout_s=60,
                                            # unsupervised and shared by the module: one false hang alarm under

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline.model import build_model
+from pipeline.models.hf import build_model
 from pipeline.models.qwen3_tokenizer import (
     ADDED_TOKENS, BPE_RANKS, ENDOFTEXT_ID, IM_END_ID, IM_START_ID, PATTERN, TOKEN_IDS, ensure_tokenizer, vocab_file,
 )
@@ -173,7 +173,7 @@ def test_hf_transformers_loads_it_tied_and_runs_a_forward(small_dir, tok):
 
 
 def test_trainer_model_loads_it_and_matches_hf_logits(small_dir, tok):
-    """The project's torchtitan build (pipeline/model.py) reads the same folder and computes HF's logits."""
+    """The project's torchtitan build (pipeline/models/hf.py) reads the same folder and computes HF's logits."""
     from transformers import AutoModelForCausalLM
 
     model, _ = build_model(small_dir)

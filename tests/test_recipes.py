@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from pipeline.config import ConfigError, load_config
-from pipeline.model import read_arch, read_hf_config
+from pipeline.models import read_arch
+from pipeline.models.hf import read_hf_config
 from pipeline.models.decoder import titan_config
 from pipeline.placement import (PlacementError, check_host, generator_placements, resolve_gpus, teacher_placement,
                                 trainer_placement)

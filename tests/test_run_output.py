@@ -19,7 +19,7 @@ from pipeline import logs, procs
 from pipeline.buffer import ReplayBufferCore
 from pipeline.config import BufferConfig, ConfigError, load_config
 from pipeline.driver.metrics import MetricsSink, read_jsonl, trained_samples
-from pipeline.model import TINY_EOS_ID, TINY_PAD_ID
+from pipeline.models.tiny import TINY_EOS_ID, TINY_PAD_ID
 from pipeline.tokens import load_tokenizer
 from pipeline.tasks import reverse
 from pipeline.types import PromptItem, Rollout

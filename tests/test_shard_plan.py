@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.config import ModelConfig
-from pipeline.model import build_model, export_hf, model_dir
+from pipeline.models.hf import build_model, export_hf, model_dir
 from pipeline.trainer.shards import _qkv_runs
 from pipeline.weightsync import BucketPlan, PlanMismatchError, ShardPlan
 

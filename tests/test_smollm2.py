@@ -66,7 +66,7 @@ def test_trainer_computes_the_real_checkpoints_logits_as_transformers_does():
     30 layers) gives HF transformers' fp32 logits on a chat prompt."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from pipeline.model import build_model
+    from pipeline.models.hf import build_model
     from pipeline.models.smollm2 import ensure_smollm2
 
     hf_dir = ensure_smollm2(REPO / ".cache" / "smollm2")

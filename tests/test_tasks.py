@@ -49,7 +49,7 @@ def test_boxed_rewards_the_format_and_the_sum():
 
 
 def test_builtin_tasks_are_tokenizable_by_the_tiny_model():
-    from pipeline.model import CHARS
+    from pipeline.models.tiny import CHARS
 
     for name in BUILTIN:
         task = load_task(name)
@@ -104,7 +104,7 @@ def test_prompt_stream_position_is_checkpointable():
 
 
 def test_calc_tool_task_episode_and_reward():
-    from pipeline.model import CHARS
+    from pipeline.models.tiny import CHARS
 
     task = load_task("pipeline.tasks.calc")
     for item in take(task, seed=3, split="train", n=20):
@@ -135,7 +135,7 @@ def test_rotate_pays_the_exact_answer_or_nothing():
 
 
 def test_lookup_tool_task_answer_must_be_copied_from_the_tool():
-    from pipeline.model import CHARS
+    from pipeline.models.tiny import CHARS
     from pipeline.tasks.lookup import code_of
 
     task = load_task("pipeline.tasks.lookup")

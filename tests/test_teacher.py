@@ -209,7 +209,7 @@ def test_distill_coef_zero_run_step_equals_grpo_step_with_a_teacher_attached():
 def test_opd_step_moves_the_student_towards_the_teacher():
     """A few OPD steps on one batch: the student's log-probs of the batch's tokens move towards the
     teacher's (their mean absolute gap on the loss tokens falls)."""
-    from pipeline.model import token_logprobs
+    from pipeline.models.hf import token_logprobs
     from pipeline.trainer.step import TrainCore
     from tests.test_trainer_core import make_batch, replace
 
@@ -447,7 +447,7 @@ def test_a_truncated_or_unsupported_teacher_checkpoint_is_a_config_error_naming_
     """Before anything starts: a teacher whose weights file is cut short, or whose family this build
     does not support, or a context naming a column the prompts lack, is a ConfigError naming the key."""
     from pipeline.driver.job import check_teacher
-    from pipeline.model import check_weights
+    from pipeline.models.hf import check_weights
     from pipeline.tasks import open_task
 
     trunc = other_tokenizer_copy(tiny_dir, tmp_path / "trunc", "none")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from actors.trainer import Trainer
 from pipeline.config import Config, ModelConfig, TrainerConfig
-from pipeline.model import build_model, model_dir, read_hf_config
+from pipeline.models.hf import build_model, model_dir, read_hf_config
 from tests.test_trainer_core import make_batch, replace
 
 pytestmark = pytest.mark.slow
@@ -196,7 +196,7 @@ def test_sharded_push_from_an_fsdp_by_tensor_parallel_mesh_is_the_export(loop, t
     (a push straight after loading it). qwen3: the tiny model (q/k norms); qwen2: its small checkpoint
     with Qwen's vocabulary (pipeline/models/family_checkpoint.py), whose q/k/v biases are column-sharded
     with the fused QKV weight, KV group by KV group."""
-    from pipeline.model import load_hf_state_dict
+    from pipeline.models.hf import load_hf_state_dict
     from pipeline.models.family_checkpoint import ensure_family_checkpoint
 
     cfg = cfg_for(4, tensor_parallel=2)

@@ -12,7 +12,7 @@ import torch
 
 from pipeline.config import Config, ModelConfig, TrainerConfig
 from pipeline.losses import policy_loss
-from pipeline.model import token_logprobs
+from pipeline.models.hf import token_logprobs
 from pipeline.trainer.errors import BadBatchError, NonFiniteLossError
 from pipeline.trainer.snapshots import Proximal
 from pipeline.trainer.step import TrainCore, minibatch_plan, minibatch_rows, spans

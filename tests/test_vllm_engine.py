@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from pipeline.model import build_model, token_logprobs
+from pipeline.models.hf import build_model, token_logprobs
 from pipeline.tokens import load_tokenizer
 
 from .conftest import REPO

@@ -14,7 +14,8 @@ import torch
 
 from pipeline.config import BufferConfig, Config, ModelConfig, RunConfig, TaskConfig, TrainerConfig
 from pipeline.driver.warm_start import auto_warm_start, warm_start
-from pipeline.model import model_dir
+from pipeline.models.hf import model_dir
+from pipeline.models.tiny import ensure_tiny
 from pipeline.tasks import load_task
 from pipeline.tokens import load_tokenizer
 from pipeline.trainer.step import TrainCore
@@ -54,7 +55,7 @@ class NoEvalPrompts:
 
 
 def config(tmp_path) -> Config:
-    return Config(model=ModelConfig(cache_dir=str(REPO / ".cache" / "tiny-model")),
+    return Config(model=ModelConfig(hf_dir=str(ensure_tiny(cache_dir=REPO / ".cache" / "tiny-model"))),
                   trainer=TrainerConfig(lr=1e-3, kl_coef=0.0),
                   buffer=BufferConfig(batch_groups=2, group_size=2),
                   task=TaskConfig(name="pipeline.tasks.reverse", eval_prompts=0),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipeline.config import WeightSyncConfig
-from pipeline.model import build_model, export_hf, token_logprobs
+from pipeline.models.hf import build_model, export_hf, token_logprobs
 from pipeline.tokens import load_tokenizer
 from pipeline.generator.llm import stop_engine
 from pipeline.weightsync import (VersionRegressionError, WeightLoadError, WeightReceiver, WeightSender,

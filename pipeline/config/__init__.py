@@ -20,7 +20,7 @@ from pipeline.config.buffer import BufferConfig
 from pipeline.config.errors import ConfigError
 from pipeline.config.generator import GeneratorConfig
 from pipeline.config.load import REMOVED_KEYS, flatten, load_config
-from pipeline.config.model import ModelConfig, TinyModelConfig
+from pipeline.config.model import ModelConfig
 from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import LOG_LEVELS, RunConfig
 from pipeline.config.task import TaskConfig
@@ -30,5 +30,5 @@ from pipeline.config.tree import Config, sync_mode_config
 from pipeline.config.weight_sync import WeightSyncConfig
 
 __all__ = ["BufferConfig", "Config", "ConfigError", "GeneratorConfig", "LOG_LEVELS", "LORA_TARGETS", "LoraConfig",
-           "ModelConfig", "REMOVED_KEYS", "RewardModelConfig", "RunConfig", "TaskConfig", "TeacherConfig", "TinyModelConfig",
+           "ModelConfig", "REMOVED_KEYS", "RewardModelConfig", "RunConfig", "TaskConfig", "TeacherConfig",
            "TrainerConfig", "WeightSyncConfig", "flatten", "load_config", "sync_mode_config"]

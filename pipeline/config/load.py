@@ -5,7 +5,8 @@
 Unknown keys and wrong types fail in the merge (OmegaConf struct mode); ranges and choices fail in
 the sections' `__post_init__`. Every failure is raised as ConfigError with the dotted key and the
 allowed values. A key that was removed (REMOVED_KEYS) fails by name, with why it went. Code
-receives plain dataclasses (`OmegaConf.to_object`), never a DictConfig.
+receives plain dataclasses (`OmegaConf.to_object`), never a DictConfig. A `builtin:` model.hf_dir
+stays a name here; pipeline/models resolves it at start-up (pipeline.models.hf.resolved).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ REMOVED_KEYS: dict[str, str] = {
                        "truncated, renormalised distribution, which the learner cannot score, so every "
                        "importance ratio is biased low",
     "weight_sync.backend": "the collective transport always uses trainer.backend, which it had to equal",
+    "model.cache_dir": "the tiny model is the built-in checkpoint model.hf_dir=builtin:tiny, built once under "
+                       ".cache/tiny-model",
+    **{f"model.tiny.{k}": "the tiny model is the built-in checkpoint model.hf_dir=builtin:tiny, of one seed and "
+                          "shape; another one is a folder `python -m pipeline.models.tiny --seed N --dim N "
+                          "--n-layers N ...` builds and prints, named by model.hf_dir=<that folder>"
+       for k in ("seed", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")},
 }
 """Keys a config may no longer name -> why they went. A checkpoint's recorded config may still hold
 them (pipeline/checkpoint.py ignores them when it diffs configs on resume)."""
@@ -94,11 +101,4 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         msg = str(e).splitlines()[0]
         raise ConfigError(f"config: bad key {key!r}: {msg}") from None
     assert isinstance(obj, Config)
-    if obj.model.hf_dir.startswith("builtin:"):  # a checkpoint built here (pipeline/models BUILTIN), once
-        from pipeline.models import ModelError, resolve_builtin
-
-        try:
-            obj.model.hf_dir = resolve_builtin(obj.model.hf_dir)
-        except ModelError as e:
-            raise ConfigError(f"config: {e}") from None
     return obj

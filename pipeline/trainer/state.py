@@ -44,7 +44,8 @@ from safetensors.torch import load_file, save_file
 from pipeline.checkpoint import rng_state, set_rng_state
 from pipeline.config import TrainerConfig
 from pipeline.lora import merge_into_hf, peft_state_dict, write_peft
-from pipeline.model import export_hf, read_arch, save_hf_checkpoint
+from pipeline.models import read_arch
+from pipeline.models.hf import export_hf, save_hf_checkpoint
 from pipeline.trainer.parallel import Parallel, local, resharded
 from pipeline.trainer.shards import local_boxes
 from pipeline.weightsync.shard_plan import Box

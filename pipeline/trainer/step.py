@@ -48,7 +48,8 @@ import torch
 
 from pipeline import losses
 from pipeline.config import Config
-from pipeline.model import model_dir, read_arch
+from pipeline.models import read_arch
+from pipeline.models.hf import model_dir
 from pipeline.trainer import chunked
 from pipeline.trainer.checks import check_batch, check_sft
 from pipeline.trainer.errors import (BadBatchError, EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError,

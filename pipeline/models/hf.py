@@ -1,20 +1,21 @@
 """The trainer's model: a checkpoint directory in, a loaded torchtitan model out, HF-named weights back.
 
-    hf_dir = model_dir(cfg.model)                  # a real HF dir (checked), or the tiny assets built once
+    cfg = resolved(cfg)                            # at start-up: a builtin: model.hf_dir -> its folder
+    hf_dir = model_dir(cfg.model)                  # the checked HF dir (a builtin: name built once)
     arch = read_arch(hf_dir)                       # its checked config (pipeline/models: one module per family)
     model, adapter = build_model(hf_dir)           # torchtitan model on CPU, SDPA attention, loaded
     hf_sd = export_hf(model, adapter)              # HF names, what vLLM loads
     lp = token_logprobs(model, input_ids)          # [N, T-1] logprob of token t+1 given <= t
 
-Which architectures load, and how, is pipeline/models/ (a registry keyed by config.json's model_type);
-the tiny checkpoint is pipeline/models/tiny.py. Nothing here downloads. The tokenizer side (special ids,
-prompts, chat templates) is pipeline/tokens.py.
-
-Run `python -m pipeline.model [--cache-dir DIR]` to build the tiny assets by hand.
+Which architectures load, and how, is the registry in pipeline/models/__init__.py (keyed by config.json's
+model_type); the built-in checkpoints are its BUILTIN. Nothing here downloads. The tokenizer side
+(special ids, prompts, chat templates) is pipeline/tokens.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -22,21 +23,26 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from pipeline.config import ModelConfig
-from pipeline.models import Arch, ModelError, family, read_arch, read_config
-from pipeline.models.tiny import (CHARS, NORM_EPS, ROPE_THETA, SPECIAL_TOKENS, TINY_BOS_ID,  # noqa: F401
-                                  TINY_EOS_ID, TINY_PAD_ID, TINY_UNK_ID, build_tokenizer_json, ensure_tiny_assets,
-                                  hf_config, padded_vocab_size, tiny_config, tiny_dir, tiny_vocab)
+from pipeline.config import Config, ModelConfig
+from pipeline.models import Arch, ModelError, family, read_arch, read_config, resolve_builtin
 
-__all__ = ["Arch", "ModelError", "build_model", "export_hf", "load_hf_state_dict", "model_dir", "read_arch",
-           "read_hf_config", "save_hf_checkpoint", "token_logprobs", "ensure_tiny_assets"]
+__all__ = ["build_model", "check_model", "check_weights", "export_hf", "load_hf_state_dict", "model_dir",
+           "read_hf_config", "resolved", "save_hf_checkpoint", "token_logprobs", "tokenizer_hash"]
+
+
+def resolved(cfg: Config) -> Config:
+    """`cfg` with model.hf_dir a directory: a BUILTIN name (pipeline/models) replaced by the absolute folder
+    it builds once, so that every process of the run and its checkpoints name that folder. Called where a
+    loaded config is first used (pipeline/run.py main, Session.start); ModelError when it cannot be built."""
+    hf_dir = resolve_builtin(cfg.model.hf_dir)
+    if hf_dir == cfg.model.hf_dir:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=hf_dir))
 
 
 def model_dir(cfg: ModelConfig) -> Path:
-    """The HF directory to use: `cfg.hf_dir` when set (checked), else the tiny assets."""
-    if not cfg.hf_dir:
-        return ensure_tiny_assets(cfg)
-    d = Path(cfg.hf_dir)
+    """The HF directory `cfg.hf_dir` names (a BUILTIN name: the folder it builds once), checked."""
+    d = Path(resolve_builtin(cfg.hf_dir))
     missing = [f for f in ("config.json", "tokenizer.json") if not (d / f).is_file()]
     if not d.is_dir() or missing or not list(d.glob("*.safetensors")):
         raise ModelError(f"model.hf_dir={str(d)!r} is not a HF checkpoint directory "
@@ -48,12 +54,9 @@ def check_model(cfg: ModelConfig) -> Arch:
     """The checked architecture of the run's model, from files only (the CLI calls it before anything
     starts): ModelError naming the directory, the field, its value and what is supported, or a
     weights file that is cut short."""
-    if not cfg.hf_dir:
-        from pipeline.models import arch_from_config
-
-        return arch_from_config(tiny_config(cfg), "the tiny model")
-    arch = read_arch(model_dir(cfg))
-    why = check_weights(model_dir(cfg))
+    d = model_dir(cfg)
+    arch = read_arch(d)
+    why = check_weights(d)
     if why is not None:
         raise ModelError(f"model.hf_dir={cfg.hf_dir!r}: {why}")
     return arch
@@ -62,7 +65,6 @@ def check_model(cfg: ModelConfig) -> Arch:
 def check_weights(hf_dir: Path) -> str | None:
     """Why the *.safetensors files of `hf_dir` cannot be whole (none; a header that cannot be read; a
     file shorter than its header says: a truncated copy), or None. Reads headers only."""
-    import json
     import struct
 
     files = sorted(Path(hf_dir).glob("*.safetensors"))
@@ -82,6 +84,15 @@ def check_weights(hf_dir: Path) -> str | None:
         if 8 + n + end > size:
             return f"{f.name} has {size} bytes, its header describes {8 + n + end} (truncated)"
     return None
+
+
+def tokenizer_hash(hf_dir: str | Path) -> str:
+    """sha256 of the tokenizer files of `hf_dir` (tokenizer*, vocab*, merges*, special_tokens*): names and bytes."""
+    h = hashlib.sha256()
+    for p in sorted(p for p in Path(hf_dir).iterdir()
+                    if p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens"))):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()
 
 
 def read_hf_config(hf_dir: Path) -> dict:
@@ -151,11 +162,3 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     logits = model(input_ids).float()
     return torch.gather(F.log_softmax(logits[:, :-1], dim=-1), 2, input_ids[:, 1:, None]).squeeze(-1)
 
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Build the tiny checkpoint (pipeline/models/tiny.py)")
-    ap.add_argument("--cache-dir", default=ModelConfig.cache_dir)
-    args = ap.parse_args()
-    print(ensure_tiny_assets(ModelConfig(cache_dir=args.cache_dir)))
