@@ -55,7 +55,7 @@ async def run_bare(cfg, items: list[PromptItem], group: int, rounds: int) -> lis
     from vllm.sampling_params import RequestOutputKind
 
     from pipeline.generator.llm import engine_args, start_llm, stop_engine, worker_in_core
-    from pipeline.model import model_dir
+    from pipeline.models.hf import model_dir
     from pipeline.tokens import encode_prompt, load_tokenizer
 
     hf_dir = model_dir(cfg.model)

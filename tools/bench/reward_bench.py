@@ -61,7 +61,7 @@ class WaveSource:
 
 
 def scorer_dir(dim: int, layers: int, out: Path) -> Path:
-    from pipeline.model import ensure_tiny_assets
+    from pipeline.models.tiny import ensure_tiny_assets
     from pipeline.reward_model import init_scorer
 
     body = ensure_tiny_assets(ModelConfig(tiny=TinyModelConfig(dim=dim, n_layers=layers, n_heads=max(dim // 64, 1),

@@ -44,7 +44,7 @@ def model_dir(size: str) -> tuple[str, str, int]:
     if size == "qwen3-0.6b":
         from pipeline.models.qwen3_checkpoint import ensure_checkpoint, qwen3_config
         return str(ensure_checkpoint(qwen3_config(), seed=0)), "bfloat16", 1024
-    from pipeline.model import ensure_tiny_assets
+    from pipeline.models.tiny import ensure_tiny_assets
     tiny = TinyModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048) if size == "100m" \
         else TinyModelConfig()
     return str(ensure_tiny_assets(ModelConfig(tiny=tiny))), "float32", 256
@@ -52,7 +52,7 @@ def model_dir(size: str) -> tuple[str, str, int]:
 
 def state_dict(hf_dir: str) -> dict:
     """What the trainer pushes: the checkpoint's tensors under HF names, a tied lm_head left out."""
-    from pipeline.model import load_hf_state_dict
+    from pipeline.models.hf import load_hf_state_dict
     sd = load_hf_state_dict(Path(hf_dir))
     if json.loads((Path(hf_dir) / "config.json").read_text()).get("tie_word_embeddings"):
         sd.pop("lm_head.weight", None)

@@ -55,13 +55,13 @@ VLLM_SIZES = {"tiny": {}, "100m-vllm": {"dim": 768, "n_layers": 12, "n_heads": 1
 
 def vllm_model_dir(size: str) -> str:
     from pipeline.config import TinyModelConfig
-    from pipeline.model import ensure_tiny_assets
+    from pipeline.models.tiny import ensure_tiny_assets
     return str(ensure_tiny_assets(ModelConfig(tiny=TinyModelConfig(**VLLM_SIZES[size]))))
 
 
 def make_state_dict(size: str, hf_dir: str) -> dict[str, torch.Tensor]:
     if size in VLLM_SIZES:
-        from pipeline.model import load_hf_state_dict
+        from pipeline.models.hf import load_hf_state_dict
         return load_hf_state_dict(Path(hf_dir))
     if "-lora" in size:  # the adapters alone (pipeline/lora.py, PEFT names): what a LoRA push carries
         base, rank = size.split("-lora")

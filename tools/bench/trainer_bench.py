@@ -52,7 +52,7 @@ import torch
 from actors.trainer import Trainer
 from pipeline.config import load_config
 from pipeline.driver.metrics import write_csv
-from pipeline.model import model_dir, read_hf_config
+from pipeline.models.hf import model_dir, read_hf_config
 from pipeline.trainer.synthetic import synthetic_batch
 from tools.lib.push import push_overlap
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import load_config
-from pipeline.model import model_dir
+from pipeline.models.hf import model_dir
 from pipeline.reward_model import StreamingScorer, init_scorer
 from pipeline.tasks import PromptStream, load_task
 from pipeline.tokens import SpecialTokens, encode_completion, encode_prompt, load_tokenizer

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 from torchtitan.models.common.nn_modules import RMSNorm
 
-from pipeline.model import build_model
+from pipeline.models.hf import build_model
 from pipeline.models.norm import HFRMSNorm
 from pipeline.models.qwen3_checkpoint import qwen3_config, random_weights
 

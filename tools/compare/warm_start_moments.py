@@ -30,7 +30,7 @@ import torch
 
 from pipeline.config import load_config
 from pipeline.driver.warm_start import demo_batch
-from pipeline.model import model_dir
+from pipeline.models.hf import model_dir
 from pipeline.tasks import PromptStream, load_task
 from pipeline.tokens import load_tokenizer
 from pipeline.trainer.step import TrainCore

@@ -74,7 +74,7 @@ async def measure_generator(cfg: Config, reps: int) -> list[dict]:
     from monarch.actor import this_host
 
     from actors.generator import GeneratorActor
-    from pipeline.model import model_dir
+    from pipeline.models.hf import model_dir
     from pipeline.tokens import encode_prompt, load_tokenizer
 
     G = 4
@@ -161,7 +161,7 @@ def simulate_wave(costs: GeneratorCosts, n: int, L: int, prompt_tokens: int, G: 
 
 async def measure_trainer(cfg: Config, reps: int) -> list[dict]:
     from actors.trainer import Trainer
-    from pipeline.model import model_dir, read_hf_config
+    from pipeline.models.hf import model_dir, read_hf_config
 
     vocab = read_hf_config(model_dir(cfg.model))["vocab_size"]
     rows = []

@@ -50,7 +50,7 @@ async def measure_contention(cfg: Config, reps: int, steps: int = 4) -> list[dic
 
     from actors.generator import GeneratorActor
     from actors.trainer import Trainer
-    from pipeline.model import model_dir, read_hf_config
+    from pipeline.models.hf import model_dir, read_hf_config
 
     G = 4
     g = dataclasses.replace(cfg.generator, concurrency=32, max_new_tokens=96, ignore_eos=True)
