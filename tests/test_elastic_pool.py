@@ -135,9 +135,9 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
 
 @pytest.mark.slow
 def test_session_adds_a_generator_and_removes_the_first_under_abort(tmp_path):
-    """Session.add_generators / remove_generator: generator1 joins serving the trainer's version
-    (verified), both take a push; generator0 leaves at once (on_update=abort), its groups requeued,
-    and training goes on on generator1 alone; the last generator cannot be removed."""
+    """Session.add_generators / remove_generator: refused while the trainer's version is not pushed;
+    then generator1 joins serving it (verified); generator0 leaves at once (on_update=abort), its groups
+    requeued, and training goes on on generator1 alone; the last generator cannot be removed."""
     from pipeline.driver.pool import PoolError
     from pipeline.session import Session
 
@@ -146,15 +146,17 @@ def test_session_adds_a_generator_and_removes_the_first_under_abort(tmp_path):
                                             "generator.hang_timeout_s=120"])
     try:
         s.train_step()
-        assert s.add_generators(1) == [1]
+        with pytest.raises(PoolError, match="version 1 is not pushed yet"):
+            s.add_generators(1)
         s.sync()
+        assert s.add_generators(1) == [1]
         assert s.versions() == {"trainer": 1, "generator0": 1, "generator1": 1}
         out = s.remove_generator(0)
         assert out["generator"] == 0 and out["mode"] == "abort" and out["drained"] is None and out["members"] == 1
         s.train_step()
         s.sync()
         assert s.versions() == {"trainer": 2, "generator1": 2}
-        assert s.pipe.sync.verified_pushes == 2
+        assert s.pipe.sync.verified_pushes == 2  # and generator1 at its join
         with pytest.raises(PoolError, match="last generator"):
             s.remove_generator(1)
         buf = s.buffer_stats()
@@ -164,4 +166,4 @@ def test_session_adds_a_generator_and_removes_the_first_under_abort(tmp_path):
         s.stop()
     events = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["generator"]) for e in events] == [("added", 1), ("removed", 0)]
-    assert events[0]["verified"] is True and events[0]["version"] == events[0]["first_token_version"] == 1
+    assert events[0]["verified"] is True and events[0]["version"] == 1

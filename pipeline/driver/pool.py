@@ -140,8 +140,13 @@ class Pool:
         """n generators join (concurrently); their indices once all are members."""
         if n < 1:
             raise PoolError(f"add_generators: n={n}; allowed: n >= 1")
+        job = self.job
+        if not job.supervised and job.version > job.sync.pushed:  # a Session pushes by hand
+            raise PoolError(f"add_generators: the trainer's version {job.version} is not pushed yet (the last "
+                            f"push was version {job.sync.pushed}): push it first (Session.sync()), so that a "
+                            "generator that starts on it is not sent it again")
         async with self._lock:
-            fleet, cfg = self.job.fleet, self.job.cfg
+            fleet, cfg = job.fleet, job.cfg
             new = []
             for _ in range(n):
                 h = join_host(fleet)
@@ -164,7 +169,9 @@ class Pool:
             first = None
             if job.generating:
                 await call_within(f"generator{i}.start_generation", gen.start_generation.call_one(job.buffer))
-                first = await self._first_tokens(i, gen)
+                if job.supervised:  # a Session may hold admission closed (nobody trains): no wait there
+                    first = await self._first_tokens(i, gen)
+            await self._pushed(version)
             await job.sync.rejoin(i, gen)  # live from here on
         except BaseException as e:
             await self._drop(slot, i)
@@ -182,6 +189,17 @@ class Pool:
         self._event(event)
         log.warning("generator%d joined on host %d serving version %d%s in %.1fs; %d generators", i, slot.host,
                     version, " (verified)" if verified else "", event["join_s"], event["members"])
+
+    async def _pushed(self, version: int) -> None:
+        """Wait (generator.start_timeout_s) until the push of `version` has started: the export may
+        catch the trainer between its step and that push, and a receiver refuses a version it has."""
+        bound = self.job.cfg.generator.start_timeout_s
+        deadline = time.monotonic() + bound
+        while self.job.sync.pushed < version:
+            if time.monotonic() > deadline:
+                raise PoolError(f"the push of version {version} did not start within {bound:.0f}s "
+                                "(generator.start_timeout_s)")
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def _first_tokens(self, i: int, gen: Any) -> int | None:
         """The version its first tokens carry, once it returned some (no push reaches it before it

@@ -108,6 +108,11 @@ class WeightSync:
     def kind(self) -> str:
         return self.cfg.weight_sync.transport
 
+    @property
+    def pushed(self) -> int:
+        """The version last packed (0 before any push: the generators start on version 0's weights)."""
+        return self._pushed if self._pushed is not None else 0
+
     def live(self) -> list[tuple[int, Any]]:
         return [(i, g) for i, g in enumerate(self.generators) if g is not None]
 
