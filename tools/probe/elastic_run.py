@@ -1,8 +1,8 @@
 """Elastic generator pool, measured: a tiny run goes 1 -> 2 -> 1 generators through pipeline.control
 while it trains, then a checkpoint taken while 2 generators ran is resumed into 1 generator.
 
-    python tools/elastic_run.py --out outputs/elastic                # ~6-10 min on 2 shared cores
-    python tools/elastic_run.py --report docs/data/elastic/elastic.json   # the results page's tables again
+    python -m tools.probe.elastic_run --out outputs/elastic                # ~6-10 min on 2 shared cores
+    python -m tools.probe.elastic_run --report docs/data/elastic/elastic.json   # the results page's tables again
 
 Run A (configs/tiny.yaml, weight_sync.verify=every, every trained sample logged, a checkpoint every
 --checkpoint-every steps): at step --grow-at `generators=2`; --shrink-after steps after the join,
@@ -24,16 +24,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tools.lib.cli import REPO, start_cli, wait_for
+from tools.lib.metrics import read_rows
+
 G, B, ETA = 8, 8, 1
 
 
-def rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def steps(out: Path) -> int:
-    return len(rows(out / "metrics.jsonl"))
+    return len(read_rows(out / "metrics.jsonl"))
 
 
 def control(out: Path, arg: str) -> dict:
@@ -46,18 +44,18 @@ def control(out: Path, arg: str) -> dict:
 
 
 def launch(out: Path, log: Path, args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.eval_every=0",
-           "run.warm_start_steps=15", f"run.out_dir={out}", "run.progress=false", "weight_sync.verify=every",
-           f"run.log_rollouts={G * B}", f"buffer.max_staleness={ETA}", "generator.hang_timeout_s=120", *args]
-    print("$", " ".join(cmd[1:]), flush=True)
-    return subprocess.Popen(cmd, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    overrides = ["run.eval_every=0", "run.warm_start_steps=15", f"run.out_dir={out}", "run.progress=false",
+                 "weight_sync.verify=every", f"run.log_rollouts={G * B}", f"buffer.max_staleness={ETA}",
+                 "generator.hang_timeout_s=120", *args]
+    print("$ -m pipeline.run --config configs/tiny.yaml", " ".join(overrides), flush=True)
+    return start_cli("configs/tiny.yaml", overrides, log)
 
 
 def wait_steps(p: subprocess.Popen, out: Path, n: int) -> None:
-    while steps(out) < n:
-        if p.poll() is not None:
-            raise SystemExit(f"the run ended ({p.returncode}) before step {n}")
-        time.sleep(0.5)
+    try:
+        wait_for(lambda: steps(out) >= n, float("inf"), f"step {n}", p)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def phase(ms: list[dict], lo: int, hi: int) -> dict:
@@ -76,7 +74,7 @@ def checks(out: Path, steps_total: int, first: int = 1) -> dict:
     s = json.loads((out / "summary.json").read_text())
     buf = s["stats"]["buffer"]
     by_group = defaultdict(list)
-    roll = rows(out / "rollouts.jsonl")
+    roll = read_rows(out / "rollouts.jsonl")
     for r in roll:
         by_group[r["group_id"]].append(r["step"])
     return {"steps": s["steps"], "accounting": buf["admitted_samples"] == buf["trained_samples"]
@@ -100,9 +98,9 @@ def measure(a: argparse.Namespace) -> dict:
     wait_steps(p, run_a, min(grow["at_step"] + a.shrink_after, a.steps - 10))  # steps left for "after"
     shrink = control(run_a, "generators=1")
     rc_a = p.wait()
-    ms = rows(run_a / "metrics.jsonl")
+    ms = read_rows(run_a / "metrics.jsonl")
     two = [m["step"] for m in ms if m.get("generators/live") == 2.0]
-    events = rows(run_a / "faults.jsonl")
+    events = read_rows(run_a / "faults.jsonl")
     ckpts = [m["step"] for m in ms if "checkpoint" in m and m.get("generators/live") == 2.0]
     res = {"date": time.strftime("%Y-%m-%d"), "run_a": {"rc": rc_a, "grow": grow, "shrink": shrink, "events": events,
            "phases": [phase(ms, 0, grow["asked_at_step"]), phase(ms, grow["asked_at_step"], two[0] - 1),
