@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tools.lib.cli import run_to_dir
 from tools.lib.metrics import eval_rows, step_rows
-from tools.lib.report import plot_curves, pyplot, save, write_results
+from tools.lib.report import plot_curves, publish, pyplot, save
 
 BASE = ["generator.on_update=drain", "buffer.max_staleness=2", "trainer.grad_variance=true",
         "trainer.micro_batch_size=8", "run.progress=false", "run.checkpoint_every=0"]
@@ -109,11 +109,8 @@ def main() -> int:
                   f"{r['var_rel'][1]:.3f}, reward {r['sampled'][0]:.3f} -> {r['sampled'][1]:.3f}", flush=True)
         else:
             print(f"[correction_compare {c}]   run failed (exit {r['exit_code']}); see {out / c / 'run.log'}", flush=True)
-    text = table(results)
-    print("\n" + text)
-    write_results(out, "compare", text, results)
+    publish(out, "compare", table(results), results, "correction_compare")
     plot(results, out / "compare.png")
-    print(f"[correction_compare] wrote {out / 'compare.md'} and {out / 'compare.png'}")
     return 0 if all("ess_median" in r for r in results) else 1
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tools.lib.cli import run_to_dir
 from tools.lib.metrics import EVALS, read_rows
-from tools.lib.report import pyplot, save, write_results
+from tools.lib.report import publish, pyplot, save
 
 CONFIG = "configs/smollm2-135m-add.yaml"
 NEEDS = {"gspo": ["trainer.correction=geo_is"], "dapo": ["buffer.zero_signal=drop"]}
@@ -188,11 +188,8 @@ def main() -> int:
             print(f"[recipe_compare {recipe}]   greedy {fmt(g[0][1])} -> {fmt(g[-1][1])} at step {g[-1][0]}", flush=True)
         else:
             print(f"[recipe_compare {recipe}]   no finished run (exit codes {r['exit_codes']})", flush=True)
-    text = table(results)
-    print("\n" + text)
-    write_results(out, "recipes", text, results)
+    publish(out, "recipes", table(results), results, "recipe_compare", drop=())
     plot(results, out / "recipes.png")
-    print(f"[recipe_compare] wrote {out / 'recipes.md'} and {out / 'recipes.png'}")
     return 0 if all("curve" in r for r in results) else 1
 
 

@@ -7,6 +7,7 @@ metrics over steps, and a result set written as NAME.md, NAME.json (and NAME.png
     plot_curves(axes, {"seq_is": rows_a, "tis": rows_b}, [("ESS", ["is_ess"], 1)])
     save(fig, out / "compare.png")
     write_results(out, "compare", text, results)           # compare.md, compare.json (rows left out)
+    publish(out, "compare", text, results, "correction_compare")   # the same, the table printed first
 """
 
 from __future__ import annotations
@@ -76,3 +77,10 @@ def write_results(out: Path, name: str, text: str, results, drop: tuple[str, ...
     if isinstance(results, list):
         results = [{k: v for k, v in r.items() if k not in drop} if isinstance(r, dict) else r for r in results]
     (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+
+
+def publish(out: Path, name: str, text: str, results, tool: str, drop: tuple[str, ...] = ("rows",)) -> None:
+    """A comparison's end: the table printed, then written with the results (write_results), and said."""
+    print("\n" + text)
+    write_results(out, name, text, results, drop)
+    print(f"[{tool}] wrote {out / name}.md and {out / name}.json", flush=True)

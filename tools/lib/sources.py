@@ -51,6 +51,7 @@ class ListSource(Actor):
         item = await self.next_item(wait_s)
         if item is None:
             return None
+        self.admitted()
         self.next_id += 1
         return PromptGroup(self.next_id, item, self.group_size, admitted_version=0)
 
@@ -58,6 +59,13 @@ class ListSource(Actor):
     async def add(self, rollout, lessee=None) -> None:
         self.count += 1
         self.tokens += len(rollout.completion_tokens)
+        self.added()
+
+    def admitted(self) -> None:
+        """Called as a group is admitted (a subclass times it)."""
+
+    def added(self) -> None:
+        """Called as a rollout arrives (a subclass times it)."""
 
     @endpoint
     async def release(self, group_id: int, lessee=None) -> bool:
@@ -86,21 +94,12 @@ class TimedSource(ListSource):
         self.admits: list[float] = []
         self.has_work.set()
 
-    @concurrent_endpoint
-    async def admit(self, wait_s: float, lessee=None) -> PromptGroup | None:
-        item = await self.next_item(wait_s)
-        if item is None:
-            return None
+    def admitted(self) -> None:
         self.admits.append(time.monotonic())
         if self.t_first is None:
             self.t_first = time.monotonic()
-        self.next_id += 1
-        return PromptGroup(self.next_id, item, self.group_size, admitted_version=0)
 
-    @endpoint
-    async def add(self, rollout, lessee=None) -> None:
-        self.count += 1
-        self.tokens += len(rollout.completion_tokens)
+    def added(self) -> None:
         self.t_last = time.monotonic()
 
     @endpoint
