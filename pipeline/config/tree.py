@@ -94,13 +94,13 @@ class Config:
               f"at most the batch's {n} samples (buffer.batch_groups * buffer.group_size); "
               "an empty minibatch would be an optimizer step without data")
         self._check_placement()
+        check_launcher(self)
 
     def _check_placement(self) -> None:
         """Core and GPU sets of different meshes do not overlap unless run.allow_shared_* allow it
         (pipeline/placement.py; set sizes against the ranks sharing them, and the host's cores, are
         checked at start)."""
         t, g, r = self.trainer, self.generator, self.run
-        check_launcher(self)
         sets = [("trainer.cpus", t.cpus), ("generator.cpus", g.cpus), ("buffer.cpus", self.buffer.cpus),
                 ("reward_model.cpus", self.reward_model.cpus), ("teacher.cpus", self.teacher.cpus)]
         for i, (k1, s1) in enumerate(sets):

@@ -170,7 +170,7 @@ class Job:
         if remote and cfg.weight_sync.transport == "shm":
             raise RunError(f"weight_sync.transport='shm' only reaches generators on trainer rank 0's host (host 0), "
                            f"but {', '.join(remote)} (generator.placement={cfg.generator.placement!r}, "
-                           f"{num_hosts} hosts): use weight_sync.transport=rdma (or collective)")
+                           f"{num_hosts} trainer hosts): use weight_sync.transport=rdma (or collective)")
         if num_hosts > 1 and cfg.weight_sync.transport == "shm":  # every trainer rank sends its own shards
             raise RunError(f"weight_sync.transport='shm' needs every trainer rank on the generators' host, but the "
                            f"{cfg.trainer.num_ranks} trainer ranks run on all {num_hosts} hosts and each sends its "
@@ -225,7 +225,7 @@ class Job:
         log.info("starting %d generator(s) on %shosts %s; vLLM engines take a while to start",
                  self.cfg.generator.num_generators, "generator " if roles.apart else "", roles.generator_host)
         self.supervisor.install_fault_hook()
-        await self.fleet.start(host, num_hosts, hosts, placements, warm)
+        await self.fleet.start(roles, placements, warm)
 
     def check_prompts(self) -> None:
         """The task's first prompt must become tokens for this checkpoint (messages need a chat
