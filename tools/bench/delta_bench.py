@@ -30,14 +30,22 @@ from tools.lib.metrics import read_rows
 SMALL = ["run.eval_every=0", "run.progress=false", "run.warm_start_steps=0", "buffer.batch_groups=2",
          "buffer.group_size=4", "generator.concurrency=8", "generator.num_generators=2", "generator.max_new_tokens=16",
          "model.dtype=bfloat16", "weight_sync.delta=true", "weight_sync.full_every=2", "run.checkpoint_every=0"]
-MODELS = {"tiny": [], "100m": ["model.tiny.dim=768", "model.tiny.n_layers=12", "model.tiny.n_heads=12",
-                               "model.tiny.n_kv_heads=4", "model.tiny.ffn_dim=2048"]}
+MODELS = {"tiny": None, "100m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048)}
+
+
+def model_overrides(model: str) -> list[str]:
+    """model.hf_dir of `model`: builtin:tiny, or a tiny checkpoint of that shape built once here."""
+    if MODELS[model] is None:
+        return []
+    from pipeline.models.tiny import TinySpec, ensure_tiny
+
+    return [f"model.hf_dir={ensure_tiny(TinySpec(**MODELS[model]))}"]
 
 
 def run(model: str, lr: str, transport: str, steps: int, ranks: int, out: Path) -> dict:
     """One CLI run; its pushes split into delta and full ones."""
     out_dir = out / f"{model}-lr{lr}-{transport}-r{ranks}-{int(time.time())}"
-    overrides = [*SMALL, *MODELS[model], f"trainer.lr={lr}", f"weight_sync.transport={transport}",
+    overrides = [*SMALL, *model_overrides(model), f"trainer.lr={lr}", f"weight_sync.transport={transport}",
                  f"trainer.num_ranks={ranks}", f"run.steps={steps}", f"run.out_dir={out_dir}"]
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)

@@ -31,11 +31,9 @@ import statistics
 import time
 from pathlib import Path
 
-from pipeline.config import (Config, GeneratorConfig, ModelConfig, RewardModelConfig, TaskConfig,
-                             TinyModelConfig)
+from pipeline.config import Config, GeneratorConfig, ModelConfig, RewardModelConfig, TaskConfig
 from pipeline.driver.metrics import write_csv
 from pipeline.types import PromptGroup
-from tools.lib.cli import REPO
 
 GROUP_IDS = itertools.count()
 
@@ -61,11 +59,11 @@ class WaveSource:
 
 
 def scorer_dir(dim: int, layers: int, out: Path) -> Path:
-    from pipeline.models.tiny import ensure_tiny_assets
+    from pipeline.models.tiny import TinySpec, ensure_tiny
     from pipeline.reward_model import init_scorer
 
-    body = ensure_tiny_assets(ModelConfig(tiny=TinyModelConfig(dim=dim, n_layers=layers, n_heads=max(dim // 64, 1),
-                                                               n_kv_heads=max(dim // 128, 1), ffn_dim=dim * 3)))
+    body = ensure_tiny(TinySpec(dim=dim, n_layers=layers, n_heads=max(dim // 64, 1), n_kv_heads=max(dim // 128, 1),
+                                ffn_dim=dim * 3))
     path = out / f"scorer_{dim}x{layers}"
     if not (path / "config.json").exists():
         init_scorer(body, path)
@@ -88,7 +86,9 @@ async def bench(args, out: Path) -> list[dict]:
     cores = sorted(os.sched_getaffinity(0))
     gen_core, rm_core = (cores[0], cores[1]) if len(cores) > 1 else (cores[0], cores[0])
     rm_path = scorer_dir(args.rm_dim, args.rm_layers, out)
-    cfg = Config(model=ModelConfig(cache_dir=str(REPO / ".cache" / "tiny-model")),
+    from pipeline.models.tiny import ensure_tiny
+
+    cfg = Config(model=ModelConfig(hf_dir=str(ensure_tiny())),
                  generator=GeneratorConfig(concurrency=args.groups * args.group_size, max_new_tokens=args.tokens,
                                            ignore_eos=True, max_model_len=args.tokens + 64, start_timeout_s=300),
                  task=TaskConfig(name="pipeline.tasks.reverse"),

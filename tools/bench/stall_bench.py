@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pipeline.config import ModelConfig, TinyModelConfig, WeightSyncConfig
+from pipeline.config import WeightSyncConfig
 from pipeline.weightsync import (WeightReceiver, WeightSender, load_into_vllm, load_shadow,
                                  swap_into_vllm, vllm_engine_kwargs)
 from pipeline.weightsync.load import pause_keep
@@ -44,10 +44,9 @@ def model_dir(size: str) -> tuple[str, str, int]:
     if size == "qwen3-0.6b":
         from pipeline.models.qwen3_checkpoint import ensure_checkpoint, qwen3_config
         return str(ensure_checkpoint(qwen3_config(), seed=0)), "bfloat16", 1024
-    from pipeline.models.tiny import ensure_tiny_assets
-    tiny = TinyModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048) if size == "100m" \
-        else TinyModelConfig()
-    return str(ensure_tiny_assets(ModelConfig(tiny=tiny))), "float32", 256
+    from pipeline.models.tiny import TinySpec, ensure_tiny
+    tiny = TinySpec(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048) if size == "100m" else TinySpec()
+    return str(ensure_tiny(tiny)), "float32", 256
 
 
 def state_dict(hf_dir: str) -> dict:

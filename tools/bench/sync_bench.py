@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from monarch.actor import Actor, endpoint, this_host
 
-from pipeline.config import ModelConfig, WeightSyncConfig
+from pipeline.config import WeightSyncConfig
 from pipeline.driver.metrics import write_csv
 from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs
 from pipeline.weightsync.load import pause_keep
@@ -50,13 +50,12 @@ SHAPES = {  # Qwen3-like (dim, layers, ffn, vocab, kv_dim)
 
 
 VLLM_SIZES = {"tiny": {}, "100m-vllm": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "ffn_dim": 2048}}
-"""Checkpoints built locally (pipeline.model.ensure_tiny_assets with these shapes) that vLLM loads."""
+"""Checkpoints built locally (pipeline.models.tiny.ensure_tiny with these shapes) that vLLM loads."""
 
 
 def vllm_model_dir(size: str) -> str:
-    from pipeline.config import TinyModelConfig
-    from pipeline.models.tiny import ensure_tiny_assets
-    return str(ensure_tiny_assets(ModelConfig(tiny=TinyModelConfig(**VLLM_SIZES[size]))))
+    from pipeline.models.tiny import TinySpec, ensure_tiny
+    return str(ensure_tiny(TinySpec(**VLLM_SIZES[size])))
 
 
 def make_state_dict(size: str, hf_dir: str) -> dict[str, torch.Tensor]:

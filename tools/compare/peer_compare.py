@@ -15,7 +15,7 @@ warm start (out_dir/warm_start); the TRL side (tools/compare/peer_trl.py) starts
 export. One with run.warm_start_steps: 0 (a pretrained instruct checkpoint:
 configs/smollm2-135m-add.yaml) is compared as it is: its own task (--tasks defaults to its
 task.name), its own task.eval_samples, and the TRL side starts from its model.hf_dir as
-`pipeline.config.load_config` resolves it (`builtin:smollm2-135m-instruct` -> the folder under
+`pipeline.models.hf.resolved` resolves it (`builtin:smollm2-135m-instruct` -> the folder under
 .cache/smollm2); side project_fresh, which needs a warm-start export, is refused. Either way TRL
 runs with the same group size, batch, learning rate, KL coefficient, temperature, completion length
 and prompts (the project's train stream, in order; chat prompts in TRL's conversational format, their
@@ -65,7 +65,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.config import load_config
+from pipeline.config import load_config as _load_config
+from pipeline.models.hf import resolved
 from pipeline.tasks import load_task
 from tools.compare.peer_trl import HFEval, check_task, require_trl, run_trl, trl_settings
 from tools.lib.cli import run_to_dir
@@ -139,6 +140,11 @@ def project_overrides(args, task: str, seed: int) -> list[str]:
     return [*_base_overrides(args, task, seed), "run.mode=sync", *args.overrides]
 
 
+def load_config(path, overrides):
+    """The config with model.hf_dir a folder (a builtin: name built and resolved), as a run sees it."""
+    return resolved(_load_config(path, overrides))
+
+
 def hf_score(cfg, task, hf_dir: Path, seed: int) -> dict:
     """The HF evaluator's held-out metrics of an exported model (the cross-check of the two evaluators)."""
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir))
@@ -156,7 +162,7 @@ def warm_export(run_dir: Path, task: str, seed: int) -> Path:
 
 def start_dir(args, cfg, run_dir: Path, task: str, seed: int) -> Path:
     """Where TRL (and project_fresh) start: the project run's warm-start export, or without a warm
-    start (run.warm_start_steps=0) the config's model.hf_dir as load_config resolved it."""
+    start (run.warm_start_steps=0) the config's model.hf_dir as `resolved` made it a folder."""
     return warm_export(run_dir, task, seed) if args.warm else Path(cfg.model.hf_dir)
 
 

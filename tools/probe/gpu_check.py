@@ -3,7 +3,7 @@ and checksums, with figures.
 
     .venv/bin/python -m tools.probe.gpu_check [--device cuda|cpu] [--hf-dir DIR | --qwen3 Qwen3-0.6B [--layers N]]
         [--steps 8] [--samples 32] [--seq-len 256] [--prompt-len 64] [--dtype bfloat16] [--chunk 1024]
-        [--out FILE.json] [key=value config overrides, e.g. model.tiny.dim=1024 model.tiny.n_layers=8]
+        [--out FILE.json] [key=value config overrides, e.g. model.hf_dir=$(python -m pipeline.models.tiny --dim 1024 --n-layers 8)]
 
 The model: the tiny one (built here, pipeline/models/tiny.py), a local HF checkpoint (--hf-dir), or
 random weights of a Qwen3 shape written to a temp dir first (--qwen3: vocab 151,936, where the chunked
