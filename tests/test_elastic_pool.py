@@ -2,7 +2,8 @@
 leave a running job, and nothing is lost or trained twice.
 
     .venv/bin/python -m pytest -q tests/test_elastic_pool.py -m "not slow"   # the command's input checks, seconds
-    .venv/bin/python -m pytest -q tests/test_elastic_pool.py                 # + a real CLI run, 1 -> 2 -> 1 (~150 s)
+    .venv/bin/python -m pytest -q tests/test_elastic_pool.py                 # + a CLI run 1 -> 2 -> 1 and a Session
+                                                                             #   (~2-5 min each on 2 shared cores)
 """
 
 from __future__ import annotations
@@ -57,6 +58,52 @@ def test_a_joining_generator_takes_a_free_share_of_the_pinned_cores_and_none_pas
         join_placement(cfg, fleet, 3, 0)  # every core is held: a share of 3 or more would overlap one
     fleet.generators[0].membership = "removed"
     assert join_placement(cfg, fleet, 3, 0).cpus == (0, 1)
+
+
+def test_the_supervisor_restarts_members_only_and_an_added_generator_like_the_first(tmp_path):
+    """A failure of a generator the pool is adding or removing is the pool's (no restart, no budget);
+    an added generator, once a member, is restarted by the same algorithm (here with a stand-in for
+    the wiring, which needs real meshes, as tests/test_faults.py does)."""
+    import asyncio
+
+    from pipeline.config import Config, GeneratorConfig, RunConfig
+    from pipeline.driver.fleet import Fleet
+    from pipeline.driver.supervisor import Supervisor
+    from pipeline.placement import Placement
+
+    cfg = Config(generator=GeneratorConfig(num_generators=2), run=RunConfig(out_dir=str(tmp_path)))
+    fleet = Fleet(cfg)
+    fleet.placements = [Placement("generator0"), Placement("generator1")]
+    brought = []
+
+    class Wiring:
+        async def take_out(self, slot):
+            return {"requeued_groups": 0}
+
+        async def bring_back(self, slot):
+            brought.append(slot.mesh_name)
+            return {"version": 0}
+
+    sup = Supervisor(cfg, fleet, Wiring())
+    sup.watch = lambda slot: None  # no actor to hold a watch call on
+
+    async def go():
+        run = asyncio.create_task(sup.run())
+        assert fleet.new_generator(0, Placement("generator2")) == 2
+        fleet.generators[1].membership = "leaving"
+        sup.report(1, "died while it left")
+        sup.report(2, "died while it joined")
+        await asyncio.sleep(0.2)
+        fleet.generators[2].membership = "member"
+        sup.report(2, "died once it served")
+        await asyncio.sleep(0.2)
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+    asyncio.run(go())
+    assert brought == ["generator2r1"]
+    assert [e["generator"] for e in
+            (json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines())] == [2]
 
 
 def steps(out: Path) -> int:
