@@ -6,6 +6,7 @@
     fleet.py         MeshSlot (one actor on its own proc) and Fleet (the generators and the reward model)
     supervisor.py    Supervisor: one failure queue, one restart algorithm for every slot
     rewiring.py      what a restart does around a slot, per kind (generator, reward model)
+    pool.py          Pool: generators added and removed while the run goes on (pipeline/control.py drives it)
     checkpointing.py save at a step, save a last checkpoint after a failure, resume
     shutdown.py      close -> cancel -> stop, bounded, never raising over the run's own error
     evaluation.py    held-out eval on a generator
