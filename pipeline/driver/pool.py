@@ -67,8 +67,7 @@ class PoolError(RunError):
 def join_host(fleet: Any) -> int:
     """The host of a generator that joins: the generator host with the fewest generators (one host:
     host 0). The one place that decides it, so a per-role host layout adapts it here."""
-    roles = getattr(fleet, "roles", None)
-    return roles.add_generator() if roles is not None else 0
+    return fleet.roles.add_generator() if fleet.roles is not None else 0  # (roles: pipeline/cluster/roles.py)
 
 
 def join_placement(cfg: Any, fleet: Any, i: int, host: int) -> Placement:
@@ -80,7 +79,7 @@ def join_placement(cfg: Any, fleet: Any, i: int, host: int) -> Placement:
     at_start = sum(1 for j in range(cfg.generator.num_generators) if fleet.generators[j].host == host)
     mesh = fleet.host_mesh
     hosts = mesh.sizes.get("hosts", 1) if mesh is not None else 1
-    apart = getattr(getattr(fleet, "roles", None), "apart", False)
+    apart = fleet.roles is not None and fleet.roles.apart  # no trainer rank on the generators' hosts
     per_host = 0 if apart else cfg.trainer.num_ranks // hosts
     k = 0
     while True:
