@@ -386,7 +386,7 @@ def pytest_testnodedown(node, error):
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
     "test_pipeline.py": 187, "test_family_engines.py": 172, "test_sync_matrix.py": 162, "test_signals.py": 162,
-    "test_reward_model.py": 133, "test_teacher.py": 150, "test_openenv.py": 200, "test_cluster.py": 170, "test_chaos.py": 127, "test_multinode.py": 112, "test_smollm2_run.py": 112,
+    "test_reward_model.py": 133, "test_teacher.py": 150, "test_openenv.py": 200, "test_cluster.py": 170, "test_elastic_pool.py": 400, "test_chaos.py": 127, "test_multinode.py": 112, "test_smollm2_run.py": 112,
     "test_chat_prompts.py": 95, "test_learning_signal.py": 88, "test_generator.py": 87, "test_trainer.py": 86,
     "test_planner_run.py": 79, "test_faults.py": 64, "test_difficulty.py": 56, "test_notebook.py": 51,
     "test_finite_tasks.py": 51, "test_verify.py": 44, "test_bf16.py": 42, "test_multiturn.py": 32,
