@@ -55,9 +55,9 @@ HUNG_AFTER = 3  # probe timeouts in a row
 PROC_HANG_FACTOR = 5
 """A whole generator proc is hung once the health probe went unanswered for this many x
 generator.hang_timeout_s (30 s by default). Looser than the engine's own progress bound: the probe is
-an actor call answered by the proc's event loop, which a loaded machine starves. (The probe no longer
-queues behind the generator's long endpoints, an eval or a stage end: they are serial endpoints,
-actors/endpoints.py. Before that, 2x raised false alarms in a real run of the SmolLM2 recipe.)"""
+an actor call answered by the proc's event loop, which a loaded machine starves. The probe does not
+queue behind the generator's long endpoints (an eval, a stage end): those are serial endpoints,
+actors/endpoints.py."""
 
 
 class Supervisor:
