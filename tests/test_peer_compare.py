@@ -6,7 +6,7 @@ pass@k on chat prompts (a stand-in model), and recorded CLI runs as the project 
 TRL itself is an optional extra (pip install -e '.[peer]'); these tests run no trainer and no model,
 and only the one that calls TRL's own tokenizing code needs it (skipped without it). The SmolLM2
 tests read the folder `make setup` builds under .cache/smollm2 (skipped without it). The
-comparison's real runs are in docs/benchmarks.md ("Against TRL").
+comparison's real runs are in docs/results/benchmarks.md ("Against TRL").
 """
 
 import sys

@@ -2,7 +2,7 @@
 
 A trainer rank on a GPU packs its weights into host memory for the shm and rdma transports (the
 slots a receiver maps or reads). From pageable memory the copy device -> host runs through a bounce
-buffer at a few GB/s (measured on an H200: 1.5-3.1 GB/s for Qwen3-0.6B's 1.1 GiB, docs/benchmarks.md);
+buffer at a few GB/s (measured on an H200: 1.5-3.1 GB/s for Qwen3-0.6B's 1.1 GiB, docs/results/benchmarks.md);
 page-locked, it is a DMA at the link's speed. The slots already exist (a /dev/shm mapping, or memory
 registered with Monarch's RDMA), so they are registered with CUDA in place (cudaHostRegister) at the
 first push from a CUDA tensor, and unregistered before they are unmapped. A registration the driver

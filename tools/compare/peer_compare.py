@@ -24,7 +24,7 @@ samples), and evaluates on the task's held-out prompts at the same steps with HF
 (greedy, sampled and pass@k with k = task.eval_k). The project's curve is its own eval (vLLM); as a
 cross-check the same HF evaluator also scores a project run's start and final export (`hf_start`,
 `hf_final`). How each setting maps (and where it cannot) is in the JSON's "settings" and
-docs/benchmarks.md.
+docs/results/benchmarks.md.
 
 `--recorded DIR,DIR,...` takes the project side from finished CLI runs of the same config (e.g.
 `python -m pipeline.run --config configs/smollm2-135m-add.yaml run.seed=S run.out_dir=DIR`, in the

@@ -18,7 +18,7 @@ Each component with the project's real pieces, placed as tools/bench/pipeline_be
   push        tools/bench/sync_bench.py (shm or the configured transport) on the tiny model (loaded into
               vLLM) and a ~100M dict (200 MB, no vLLM): pack and transfer against bytes; the vLLM load
               of the tiny model; its per-byte term is taken as the transfer's (a 100M load into vLLM
-              does not fit beside the benchmark here: docs/benchmarks.md)
+              does not fit beside the benchmark here: docs/results/benchmarks.md)
   contention  the two measured together, against alone (tools/plan/contention.py): each side timed
               while the other is kept fully busy; recorded as an upper bound (the cost file's
               factors are fitted to a short async run, below)
