@@ -7,7 +7,7 @@ non-negative operands (the boxed task asks for two-digit sums).
 The whole problem space is 100 sums, so held-out prompts are other draws from the same table: the
 task measures learning an exact table with multi-token answers, not generalisation. Two-digit
 operands (sums with carries) were tried: the tiny default model gained only +0.08 held-out reward
-in 800 steps (docs/task_sweep.md).
+in 800 steps (docs/results/task-sweep.md).
 """
 
 from __future__ import annotations
