@@ -31,6 +31,8 @@ clip keeps π_θ near π_old. With one minibatch and one epoch π_θ = π_old nu
                 per-token log-ratio spread of 0.05, geo_is's stays at 1)
     mis         w = ρ · 1[lo ≤ ρ ≤ hi]   (tokens outside the window are dropped; the normaliser
                                           keeps them, so dropping never up-weights the rest)
+    geo_mask    w = 1[lo ≤ g ≤ hi], g = exp(clamp(Σ_t mask·(old − mu) / |y|, ±20)), one weight per
+                sequence: geo_is's ratio as a window (the mis window), the sequence kept whole or dropped whole
     ppo_is      w = 1, r = exp(logp − mu)
     mis_balance w = min(exp(clamp(Σ_t mask·old − log Σ_j α_j q_j(y), ±20)), C), one weight per
                 sequence: multiple importance sampling with the balance heuristic (Veach & Guibas 1995).
@@ -66,6 +68,11 @@ s_i = exp(mean_t log r_t) in GSPO-token's form sg(s_i)·exp(logp − sg(logp)) (
 s_i·∇logp per token); weight_form=cispo replaces the clipped surrogate by
 sg(clip(r, 1 − ε_low, 1 + ε_high))·A·logp (no dual clip). icepop is mis (default window [0.5, 5]).
 
+The parts are looked up by name, one table per kind, in pipeline/loss_parts.py (RATIOS, SURROGATES,
+CORRECTIONS, AGGREGATIONS), from the LossSpec the TrainerConfig resolves to (`loss_spec`); each part
+returns its own sums. Adding a part: its function and table entry there, its name in the config's
+LOSS_PARTS (pipeline/config/trainer.py), its line above, and a test against a direct computation.
+
 Aggregation: token_mean divides Σ ℓ·mask by the token count; seq_mean averages each sequence's
 token mean over sequences; constant divides Σ ℓ·mask by sequences × max_len (Dr. GRPO). The denominators are arguments so a data-parallel trainer can pass
 *global* counts and get the same loss and gradient as a single rank.
@@ -83,9 +90,8 @@ from __future__ import annotations
 import torch
 
 from pipeline.config import TrainerConfig
-
-# Log-ratios are clamped before exp so a wild sampler logprob gives a huge-but-finite weight.
-_MAX_LOG_RATIO = 20.0
+from pipeline.loss_parts import (AGGREGATIONS, CORRECTIONS, MAX_LOG_RATIO, RATIOS, SURROGATES, LossSpec, loss_spec,
+                                 lookup)
 
 
 def balance_log_mixture(logq: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -97,38 +103,15 @@ def balance_log_mixture(logq: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
 
 
 def is_weights(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
-               cfg: TrainerConfig, log_mix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token importance weight w [N, T-1] (detached) for the configured correction, and a bool
-    mask of the loss tokens the correction truncated or dropped (for the `is_clip_frac` metric).
+               cfg: TrainerConfig | LossSpec,
+               log_mix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token importance weight w [N, T-1] (detached) for the configured correction (CORRECTIONS), and a
+    bool mask of the loss tokens the correction truncated or dropped (for the `is_clip_frac` metric).
     `log_mix` [N]: mis_balance's per-sample log Σ_j α_j q_j(y) (`balance_log_mixture`)."""
+    spec = loss_spec(cfg)
     mask = mask.to(old.dtype)
-    on = mask > 0
-    diff = torch.where(on, (old - mu).detach(), torch.zeros_like(old))  # where, not ·mask: inf·0 = nan
-    rho = torch.exp(diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    c = cfg.correction
-    if c in ("none", "ppo_is"):
-        return torch.ones_like(rho), torch.zeros_like(on)
-    if c == "tis":
-        return rho.clamp(max=cfg.is_cap), (rho > cfg.is_cap) & on
-    if c == "vanilla_is":
-        return rho, torch.zeros_like(on)
-    if c in ("mis", "icepop"):  # icepop: the same weight, its window [0.5, 5] by default
-        keep = (rho >= cfg.mis_low) & (rho <= cfg.mis_high)
-        return torch.where(keep, rho, torch.zeros_like(rho)), ~keep & on
-    if c == "mis_balance":
-        if log_mix is None:
-            raise ValueError("losses: trainer.correction='mis_balance' needs log_mix (balance_log_mixture)")
-        lw = torch.where(on, old.detach(), torch.zeros_like(old)).sum(dim=1) - log_mix.to(old.dtype)
-        seq = torch.exp(lw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-        return seq.clamp(max=cfg.is_cap)[:, None].expand_as(rho), (seq > cfg.is_cap)[:, None] & on
-    if c in ("seq_is", "geo_is"):
-        # Clamp the sum (or mean) only: a sequence whose token log-ratios cancel is not a wild sequence.
-        log_w = diff.sum(dim=1)
-        if c == "geo_is":
-            log_w = log_w / mask.sum(dim=1).clamp(min=1.0)
-        seq = torch.exp(log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-        return seq.clamp(max=cfg.is_cap)[:, None].expand_as(rho), (seq > cfg.is_cap)[:, None] & on
-    raise ValueError(f"losses: unknown trainer.correction={c!r}")
+    diff = torch.where(mask > 0, (old - mu).detach(), torch.zeros_like(old))  # where, not ·mask: inf·0 = nan
+    return lookup(CORRECTIONS, "correction", spec.correction)(diff, mask, old, spec, log_mix)
 
 
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -141,7 +124,7 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.T
         # logp − sg(logp) is 0 in value and ∇logp in gradient: the value stays x, the gradient is x·∇logp.
         return x.detach() * (1 + logp - logp.detach())
     if estimator == "k3":
-        d = (-x).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        d = (-x).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return torch.exp(d) - d - 1
     raise ValueError(f"losses: unknown trainer.kl_estimator={estimator!r}")
 
@@ -199,7 +182,7 @@ def policy_loss(
     mu: torch.Tensor,
     mask: torch.Tensor,
     advantages: torch.Tensor,
-    cfg: TrainerConfig,
+    cfg: TrainerConfig | LossSpec,
     ref: torch.Tensor | None = None,
     denominators: tuple[float, float] | None = None,
     entropy: torch.Tensor | None = None,
@@ -222,84 +205,38 @@ def policy_loss(
     `seq_ratio_n`, `seq_ratio_sum`, `seq_ratio_sq_sum` (GSPO's s_i over the sequences with loss tokens)
     and `seq_clip_seqs` (sequences whose s_i left the clip range).
     """
+    spec = loss_spec(cfg)
     mask = mask.to(logp.dtype)
     old, mu = old.detach(), mu.detach()
     n_tok, n_seq = denominators if denominators is not None else local_denominators(mask)
     adv = advantages.to(logp.dtype)
     adv = adv[:, None] if adv.dim() == 1 else adv  # [N] per sequence, or [N, T-1] per token (distillation)
     on = mask > 0
-    lo, hi = 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high
-    base = mu if cfg.correction == "ppo_is" else old
-    log_ratio = torch.where(on, logp - base, torch.zeros_like(logp))  # where: -inf padding would give nan
-    seq_ratio = None
-    if cfg.ratio_level == "sequence":
-        # GSPO: s_i = exp(mean_t log r_t); GSPO-token's form sg(s_i)·π_θ(y_t)/sg(π_θ(y_t)) has s_i's value and
-        # gives token t the gradient s_i·∇log π_θ(y_t), so seq_mean's 1/|y_i| makes it GSPO's gradient exactly.
-        seq_log = (log_ratio.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).detach()
-        seq_ratio = torch.exp(seq_log.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-        log_ratio = seq_log[:, None] + logp - logp.detach()
-    ratio = torch.exp(log_ratio.clamp(max=_MAX_LOG_RATIO))
-    clipped = ratio.clamp(lo, hi)
-    dual = torch.zeros_like(mask, dtype=torch.bool)
-    if cfg.weight_form == "cispo":
-        # CISPO: the clipped ratio is a detached weight on a REINFORCE term, so every token keeps a gradient.
-        surrogate = clipped.detach() * adv * logp
-    else:
-        surrogate = torch.minimum(ratio * adv, clipped * adv)
-        if cfg.dual_clip > 0:
-            # For A < 0 the clipped surrogate is A·max(r, 1−ε), unbounded below as r grows, so one
-            # token with a huge r would dominate the batch. At the bound the token has no gradient;
-            # a tie (s = c·A) keeps the surrogate's gradient.
-            bound = cfg.dual_clip * adv
-            dual = (adv < 0) & (surrogate < bound)
-            surrogate = torch.where(dual, bound, surrogate)
-    w, affected = is_weights(old, mu, mask, cfg, log_mix)
+    base = mu if spec.anchor_at_sampler else old
+    log_ratio, ratio_sums = lookup(RATIOS, "ratio_level", spec.ratio)(logp, base, mask, spec)
+    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
+    surrogate, clip_sums = lookup(SURROGATES, "weight_form", spec.surrogate)(ratio, adv, logp, on, spec)
+    w, affected = is_weights(old, mu, mask, spec, log_mix)
     per_token = -w * surrogate
     kl = torch.zeros_like(logp)
-    if ref is not None and cfg.kl_coef > 0:
-        kl = kl_penalty(logp, ref.detach(), cfg.kl_estimator)
-        per_token = per_token + cfg.kl_coef * kl
+    if ref is not None and spec.kl_coef > 0:
+        kl = kl_penalty(logp, ref.detach(), spec.kl_estimator)
+        per_token = per_token + spec.kl_coef * kl
     if entropy is not None and entropy_coef > 0:
         per_token = per_token - entropy_coef * entropy
-    loss = aggregate(per_token, mask, cfg.aggregation, n_tok, n_seq, max_len)
+    loss = aggregate(per_token, mask, spec.aggregation, n_tok, n_seq, max_len)
     with torch.no_grad():
-        r = ratio.detach()
-        if cfg.weight_form == "cispo":  # the weight is clipped whatever the advantage's sign
-            low, high = (r < lo) & on, (r > hi) & on
-        else:  # the clipped branch is the active one: A > 0 above 1 + ε_high, A < 0 below 1 − ε_low
-            low, high = (adv < 0) & (r < lo) & on, (adv > 0) & (r > hi) & on
-        stats = {
-            "clip_tokens": (low | high).sum().to(torch.float64),
-            "clip_low_tokens": low.sum().to(torch.float64),
-            "clip_high_tokens": high.sum().to(torch.float64),
-            "dual_clip_tokens": (dual & on).sum().to(torch.float64),
-            "is_clip_tokens": affected.sum().to(torch.float64),
-            "kl_sum": (kl * mask).sum().to(torch.float64),
-            "tokens": mask.sum().to(torch.float64),
-        }
-        if seq_ratio is not None:
-            has = on.any(dim=1)
-            s_r = seq_ratio[has].to(torch.float64)
-            stats.update({"seq_ratio_n": has.sum().to(torch.float64), "seq_ratio_sum": s_r.sum(),
-                          "seq_ratio_sq_sum": (s_r * s_r).sum(),
-                          "seq_clip_seqs": ((s_r < lo) | (s_r > hi)).sum().to(torch.float64)})
+        stats = {**clip_sums, "is_clip_tokens": affected.sum().to(torch.float64),
+                 "kl_sum": (kl * mask).sum().to(torch.float64), "tokens": mask.sum().to(torch.float64),
+                 **ratio_sums}
     return loss, stats
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, n_tok: float, n_seq: float,
               max_len: int = 0) -> torch.Tensor:
-    """Σ over the shard divided by global denominators (so shard losses sum to the global loss).
-    constant: Σ ℓ·mask / (n_seq · max_len), Dr. GRPO's constant normaliser (max_len > 0 required)."""
-    if aggregation == "constant":
-        if max_len <= 0:
-            raise ValueError("losses: aggregation='constant' needs max_len > 0 (generator.max_new_tokens)")
-        return (per_token * mask).sum() / (max(n_seq, 1.0) * max_len)
-    if aggregation == "token_mean":
-        return (per_token * mask).sum() / max(n_tok, 1.0)
-    if aggregation == "seq_mean":
-        per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-        return per_seq.sum() / max(n_seq, 1.0)
-    raise ValueError(f"losses: unknown trainer.aggregation={aggregation!r}")
+    """Σ over the shard divided by global denominators (so shard losses sum to the global loss), by the
+    AGGREGATIONS entry (constant: Σ ℓ·mask / (n_seq · max_len), Dr. GRPO's, max_len > 0 required)."""
+    return lookup(AGGREGATIONS, "aggregation", aggregation)(per_token, mask, n_tok, n_seq, max_len)
 
 
 ESS_LENGTHS = (0, 128, 512, 2048)
@@ -329,7 +266,7 @@ def mismatch_sums(old: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor,
     with torch.no_grad():
         old, mu, mask = old.double(), mu.double(), mask.double()
         gap = (old.exp() - mu.exp()).abs()
-        log_rho = ((old - mu) * mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        log_rho = ((old - mu) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         rho = torch.exp(log_rho) * mask
         w = is_weights(old, mu, mask, cfg, None if log_mix is None else log_mix.double())[0] * mask
         out = {**_gap_sums("", gap, old - mu, mask),

@@ -19,7 +19,7 @@ from pipeline.config import TrainerConfig
 from pipeline.losses import MAX_KEYS, finalize_mismatch, is_weights, kl_penalty, mismatch_sums, policy_loss
 from pipeline.trainer.parallel import Parallel
 
-MODES = ("none", "tis", "seq_is", "geo_is", "mis", "ppo_is", "vanilla_is")
+MODES = ("none", "tis", "seq_is", "geo_is", "mis", "ppo_is", "vanilla_is", "geo_mask")
 
 
 def clamp20(x: float) -> float:
@@ -29,12 +29,13 @@ def clamp20(x: float) -> float:
 def ref_weights(old, mu, mask, cfg: TrainerConfig):
     """(ρ, w) per token by definition; masked tokens get 0 in both."""
     n, t = len(old), len(old[0])
-    seq_w, geo_w = [], []
+    seq_w, geo_w, geo_keep = [], [], []
     for i in range(n):
         s = sum(old[i][j] - mu[i][j] for j in range(t) if mask[i][j])
         seq_w.append(min(math.exp(clamp20(s)), cfg.is_cap))  # only the sum is clamped
         k = sum(1 for j in range(t) if mask[i][j])
         geo_w.append(min(math.exp(clamp20(s / max(k, 1))), cfg.is_cap))  # the geometric mean of the ratios
+        geo_keep.append(1.0 if cfg.mis_low <= math.exp(clamp20(s / max(k, 1))) <= cfg.mis_high else 0.0)
     rho, w = [[0.0] * t for _ in range(n)], [[0.0] * t for _ in range(n)]
     for i in range(n):
         for j in range(t):
@@ -43,7 +44,7 @@ def ref_weights(old, mu, mask, cfg: TrainerConfig):
             p = math.exp(clamp20(old[i][j] - mu[i][j]))
             rho[i][j] = p
             w[i][j] = {"none": 1.0, "ppo_is": 1.0, "tis": min(p, cfg.is_cap), "vanilla_is": p, "seq_is": seq_w[i],
-                       "geo_is": geo_w[i],
+                       "geo_is": geo_w[i], "geo_mask": geo_keep[i],
                        "mis": p if cfg.mis_low <= p <= cfg.mis_high else 0.0}[cfg.correction]
     return rho, w
 
@@ -445,6 +446,22 @@ def test_geo_is_is_the_truncated_geometric_mean_of_a_sequences_ratios():
     assert hit.tolist() == [[False] * 4, [True, True, True, False]]
 
 
+def test_geo_mask_keeps_or_drops_whole_sequences_by_their_geometric_mean_ratio():
+    """geo_mask, a part added as one CORRECTIONS entry: w = 1 on every token of a sequence whose
+    (π_old(y)/μ(y))^(1/|y|) lies in [mis_low, mis_high], 0 on all of one outside; dropped tokens counted."""
+    old = torch.zeros(3, 4, dtype=torch.float64)
+    ratios = torch.tensor([[0.5, 1.0, 3.0, 10.0], [4.0, 4.0, 4.0, 1.0], [0.5, 0.5, 1.0, 1.0]], dtype=torch.float64)
+    mu = -torch.log(ratios)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float64)
+    g = [15.0 ** 0.25, 4.0, 0.5]  # the geometric means over each sequence's loss tokens
+    cfg = TrainerConfig(correction="geo_mask", mis_low=0.6, mis_high=3.0)
+    w, hit = is_weights(old, mu, mask, cfg)
+    keep = [1.0 if cfg.mis_low <= x <= cfg.mis_high else 0.0 for x in g]
+    assert keep == [1.0, 0.0, 0.0]
+    torch.testing.assert_close(w, torch.tensor(keep, dtype=torch.float64)[:, None].expand(3, 4))
+    assert hit.tolist() == [[False] * 4, [True, True, True, False], [True, True, False, False]]
+
+
 def test_geo_is_weights_do_not_shrink_with_length_where_seq_is_does():
     """Tokens from μ with a per-token log-ratio spread of 0.05 (E_μ[π_old/μ] = 1 per token): seq_is's
     truncated product falls with length (0.95 / 0.60 / 0.16 at 100 / 1,000 / 4,000 tokens, cap 2); the
@@ -479,3 +496,19 @@ def test_is_ess_by_response_length_by_hand():
         want = ref_ess([w[i][j] for i in idx for j in range(lengths[i])])
         assert m[f"is_ess_len{name}"] == pytest.approx(want, rel=1e-12), name
     assert "is_ess_len2048_" not in m
+
+
+def test_the_parts_own_batch_metrics_are_logged_for_the_parts_in_use():
+    """cispo_clip_frac with weight_form=cispo, seq_ratio_* with ratio_level=sequence (STEP_METRICS), the
+    mean over the batch's optimizer steps of each step's value; none for a part without metrics."""
+    from pipeline.loss_parts import loss_spec, step_metrics
+    steps = [{"clip_tokens": 3.0, "tokens": 10.0, "seq_ratio_n": 2.0, "seq_ratio_sum": 2.2, "seq_ratio_sq_sum": 2.5,
+              "seq_clip_seqs": 1.0},
+             {"clip_tokens": 1.0, "tokens": 4.0, "seq_ratio_n": 1.0, "seq_ratio_sum": 0.9, "seq_ratio_sq_sum": 0.81,
+              "seq_clip_seqs": 0.0}]
+    assert step_metrics(loss_spec(TrainerConfig()), steps) == {}
+    assert step_metrics(loss_spec(TrainerConfig(recipe="cispo")), steps) == {"cispo_clip_frac": (0.3 + 0.25) / 2}
+    m = step_metrics(loss_spec(TrainerConfig(recipe="gspo", correction="geo_is")), steps)
+    assert m["seq_ratio_mean"] == pytest.approx((1.1 + 0.9) / 2)
+    assert m["seq_ratio_std"] == pytest.approx((math.sqrt(1.25 - 1.21) + 0.0) / 2)
+    assert m["seq_clip_frac"] == pytest.approx(0.25)

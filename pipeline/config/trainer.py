@@ -50,6 +50,13 @@ RECIPES: dict[str, dict] = {
 }
 """trainer.recipe -> the parts it sets (docs/training.md "Loss recipes"); a part it leaves out takes NO_PRESET's."""
 
+LOSS_PARTS = {"ratio_level": ("token", "sequence"), "weight_form": ("ppo", "cispo"),
+              "correction": ("none", "tis", "seq_is", "geo_is", "mis", "icepop", "mis_balance", "ppo_is", "vanilla_is",
+                             "geo_mask"),
+              "aggregation": ("token_mean", "seq_mean", "constant")}
+"""The values each loss-part key accepts: the keys of pipeline/loss_parts.py's tables, in their order (that
+module checks the two agree when imported; this package imports nothing of the project)."""
+
 SEQUENCE_CORRECTIONS = ("none", "geo_is", "ppo_is")
 """Off-policy corrections that compose with trainer.ratio_level=sequence: one length-normalised weight per
 sequence (geo_is, as GSPO's s_i is normalised), s_i anchored at the sampler (ppo_is), or none."""
@@ -141,11 +148,13 @@ class TrainerConfig:
     sequence weight, GSPO's) | mis (masked IS) | icepop (mis with the window [0.5, 5]) | mis_balance (multiple IS with the
     balance heuristic, for consistent rollouts: generator.on_update=drain or run.mode=sync, and
     generator.carry_over=keep, and single-turn tasks unless run.mode=sync; every q_j is the trainer's,
-    from snapshots of the trainable parameters of the last max_staleness versions) | ppo_is | vanilla_is."""
+    from snapshots of the trainable parameters of the last max_staleness versions) | ppo_is | vanilla_is |
+    geo_mask (a sequence kept at weight 1 while its geo_is ratio is in [mis_low, mis_high], else dropped).
+    The formulas: pipeline/loss_parts.py CORRECTIONS."""
     is_cap: float = 2.0
     """C: truncation cap of TIS / sequence IS (>= 1)."""
     mis_low: float | None = None
-    """Masked IS keeps tokens with ratio in [mis_low, mis_high] (0 <= low < 1; 0.5)."""
+    """Masked IS keeps tokens with ratio in [mis_low, mis_high] (geo_mask: sequences; 0 <= low < 1; 0.5)."""
     mis_high: float | None = None
     """Upper bound of the masked-IS ratio window (> 1; 2.0, and 5.0 with correction=icepop)."""
     aggregation: str | None = None
@@ -236,8 +245,8 @@ class TrainerConfig:
         check(0 < self.clip_eps_high and math.isfinite(self.clip_eps_high), "trainer.clip_eps_high",
               self.clip_eps_high, "> 0")
         check(self.dual_clip == 0 or self.dual_clip > 1, "trainer.dual_clip", self.dual_clip, "0 (off) or > 1")
-        choice("trainer.ratio_level", self.ratio_level, ("token", "sequence"))
-        choice("trainer.weight_form", self.weight_form, ("ppo", "cispo"))
+        choice("trainer.ratio_level", self.ratio_level, LOSS_PARTS["ratio_level"])
+        choice("trainer.weight_form", self.weight_form, LOSS_PARTS["weight_form"])
         check(self.overlong_buffer is None or self.overlong_buffer >= 0, "trainer.overlong_buffer",
               self.overlong_buffer, ">= 0 (0: off)")
         check(self.overlong_penalty > 0, "trainer.overlong_penalty", self.overlong_penalty, "> 0")
@@ -249,8 +258,7 @@ class TrainerConfig:
               "> 0 when trainer.distill_coef is 0 (the loss would have no signal)")
         check(1 <= self.minibatches <= 1024, "trainer.minibatches", self.minibatches, "1..1024")
         check(1 <= self.epochs <= 100, "trainer.epochs", self.epochs, "1..100")
-        choice("trainer.correction", self.correction,
-               ("none", "tis", "seq_is", "geo_is", "mis", "icepop", "mis_balance", "ppo_is", "vanilla_is"))
+        choice("trainer.correction", self.correction, LOSS_PARTS["correction"])
         if self.ratio_level == "sequence":
             check(self.correction in SEQUENCE_CORRECTIONS, "trainer.correction", self.correction,
                   f"one of {', '.join(SEQUENCE_CORRECTIONS)} with trainer.ratio_level='sequence' (recipe "
@@ -263,7 +271,7 @@ class TrainerConfig:
         check(self.is_cap >= 1, "trainer.is_cap", self.is_cap, ">= 1")
         check(0 <= self.mis_low < 1, "trainer.mis_low", self.mis_low, "0 <= low < 1")
         check(self.mis_high > 1, "trainer.mis_high", self.mis_high, "> 1")
-        choice("trainer.aggregation", self.aggregation, ("token_mean", "seq_mean", "constant"))
+        choice("trainer.aggregation", self.aggregation, LOSS_PARTS["aggregation"])
         check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
         check(self.entropy_coef >= 0, "trainer.entropy_coef", self.entropy_coef, ">= 0")
         check(self.entropy_target >= 0, "trainer.entropy_target", self.entropy_target, ">= 0 (0: off)")

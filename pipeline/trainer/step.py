@@ -48,6 +48,7 @@ import torch
 
 from pipeline import losses
 from pipeline.config import Config
+from pipeline.loss_parts import loss_spec, step_metrics
 from pipeline.models import read_arch
 from pipeline.models.hf import model_dir
 from pipeline.trainer import chunked
@@ -122,6 +123,7 @@ class TrainCore:
 
     def __init__(self, cfg: Config, rank: int = 0, world: int = 1) -> None:
         self.cfg, self.tcfg = cfg, cfg.trainer
+        self.loss = loss_spec(self.tcfg)  # the recipe's parts, resolved once
         self.par = Parallel(self.tcfg, rank, world)
         self.device = self.par.device
         torch.manual_seed(cfg.run.seed)
@@ -277,16 +279,7 @@ class TrainCore:
         recipe = {"clip_low_frac": frac("clip_low_tokens"), "clip_high_frac": frac("clip_high_tokens"),
                   "truncated_frac": float(truncated.float().mean()),
                   "overlong_filtered_frac": float(truncated.float().mean()) if t.overlong_filter else 0.0}
-        if t.weight_form == "cispo":
-            recipe["cispo_clip_frac"] = frac("clip_tokens")
-        if t.ratio_level == "sequence":
-            def seq_stats(s: dict) -> tuple[float, float, float]:
-                n = max(s["seq_ratio_n"], 1.0)
-                m = s["seq_ratio_sum"] / n
-                return m, math.sqrt(max(s["seq_ratio_sq_sum"] / n - m * m, 0.0)), s["seq_clip_seqs"] / n
-            recipe.update({"seq_ratio_mean": mean(lambda s: seq_stats(s)[0]),
-                           "seq_ratio_std": mean(lambda s: seq_stats(s)[1]),
-                           "seq_clip_frac": mean(lambda s: seq_stats(s)[2])})
+        recipe.update(step_metrics(self.loss, steps))  # the parts' own: cispo_clip_frac, seq_ratio_*
         entropy, coef = once["entropy_sum"] / max(tok, 1.0), self.entropy_coef
         self.entropy_coef = losses.adapt_entropy_coef(coef, entropy, self.tcfg)  # same on every rank
         return {"loss": mean(lambda s: s["loss"]), "grad_norm": mean(lambda s: s["grad_norm"]),
@@ -327,7 +320,7 @@ class TrainCore:
             elif self.tcfg.reward_coef != 1:
                 adv = adv * self.tcfg.reward_coef
             loss, stats = losses.policy_loss(logp, prox.logp[rows], mu, mask, adv,
-                                             self.tcfg, ref=ref, denominators=den, entropy=ent,
+                                             self.loss, ref=ref, denominators=den, entropy=ent,
                                              entropy_coef=self.entropy_coef,
                                              log_mix=None if prox.log_mix is None else prox.log_mix[rows],
                                              max_len=batch.max_len or self.cfg.generator.max_new_tokens)
