@@ -126,7 +126,10 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
     joining generator was verified and its first tokens carry the version it was spawned with."""
     out, log_path = tmp_path / "run", tmp_path / "log.txt"
     G, B, eta = 8, 8, 1
-    cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", "run.steps=40", "run.eval_every=0",
+    # long enough that the run is still training once the joiner's engine is up on 2 loaded cores (an
+    # engine start there takes 40-120 s, while a tiny step takes 0.4-1.5 s)
+    STEPS = 120
+    cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", f"run.steps={STEPS}", "run.eval_every=0",
            "run.warm_start_steps=15", f"run.out_dir={out}", "run.progress=false", "weight_sync.verify=every",
            f"run.log_rollouts={G * B}", "run.checkpoint_every=0", f"buffer.max_staleness={eta}",
            "generator.hang_timeout_s=120"]  # an engine starting beside them starves the others on 2 shared cores
@@ -153,8 +156,8 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
     text = log_path.read_text()
     assert rc == 0, text[-4000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 40 and summary["generators"] == [0]
-    assert summary["pushes"]["started"] == summary["pushes"]["verified"] == 40
+    assert summary["steps"] == STEPS and summary["generators"] == [0]
+    assert summary["pushes"]["started"] == summary["pushes"]["verified"] == STEPS
 
     events = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in events] == ["added", "removed"], events
@@ -172,7 +175,7 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
     by_group = defaultdict(list)
     for r in rows:
         by_group[r["group_id"]].append(r["step"])
-    assert len(rows) == 40 * G * B
+    assert len(rows) == STEPS * G * B
     assert all(len(s) == G and len(set(s)) == 1 for s in by_group.values())  # each group once, whole
     assert max(r["staleness"] for r in rows) <= eta
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -37,6 +37,9 @@ from pipeline.types import Batch
 
 log = logging.getLogger(__name__)
 
+STOP_LOOPS_S = 60.0
+"""How long the run's end waits for the supervisor and the control loop to stop once training ended."""
+
 
 class AsyncPublish:
     """Announce v to the buffer, then start its push; returns once the trainer may step again (the
@@ -210,7 +213,11 @@ async def run(cfg: Config, host: Any = None, roles: Any = None) -> dict:
         done, pending = await asyncio.wait(loops, return_when=asyncio.FIRST_COMPLETED)
         for t in pending:
             t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        if pending:  # bounded: a pool change in flight (a generator joining) may take long to unwind
+            _, stuck = await asyncio.wait(pending, timeout=STOP_LOOPS_S)
+            for t in stuck:
+                log.warning("the %s loop did not stop within %.0fs of the training's end; the run ends without "
+                            "waiting for it", t.get_name(), STOP_LOOPS_S)
         first = done.pop()
         if first.get_name() != "train":
             first.result()  # raises the supervisor's error
