@@ -235,7 +235,8 @@ def test_carry_over_saves_partials_at_stage_end_and_resumes_them_on_new_weights(
 def test_an_eval_beside_training_reads_one_version_and_the_next_push_waits_for_it(pipe):
     """run.eval_overlap in the job's own loop and hooks: the step-0 eval and pre-flight probe run
     beside step 1, the step-2 eval beside step 3 (run.steps=3 evaluates at the end, waited for). Each
-    eval is held 1.5 s after it scores, so a push that did not wait for it would land inside it: every
+    eval is held 5 s after it scores (time for the next batch to be generated on loaded cores, so the
+    next train step starts inside it), so a push that did not wait for it would land inside it: every
     generator serves one version from its start to its end, the version of its step, while a train
     step ran within it; metrics.jsonl keeps one row per step, in order, the evals' figures in theirs."""
     loop, p = pipe
@@ -247,7 +248,7 @@ def test_an_eval_beside_training_reads_one_version_and_the_next_push_waits_for_i
         t0 = time.monotonic()
         before = [await g.version.call_one() for g in p.fleet.handles]
         out = await real_eval()
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(5.0)
         evals.append((before, [await g.version.call_one() for g in p.fleet.handles], t0, time.monotonic()))
         return out
 
