@@ -186,3 +186,16 @@ def test_a_slurm_time_and_an_empty_value_on_the_command_line_stay_text():
     assert (cfg.launcher.slurm.time, cfg.trainer.cpus, cfg.launcher.slurm.partition) == ("12:00:00", "", "")
     with pytest.raises(ConfigError, match="launcher.slurm.time"):
         load_config("configs/tiny.yaml", ["launcher.slurm.time=soon"])
+
+
+def test_a_joining_generator_goes_to_the_generator_host_with_the_fewest_in_the_pool_now():
+    from types import SimpleNamespace
+
+    from pipeline.cluster.roles import Roles
+
+    mesh = SimpleNamespace(sizes={"hosts": 2}, slice=lambda hosts: SimpleNamespace(sizes={}))
+    roles = Roles(trainer=mesh, generators=mesh, sides=mesh, generator_host=[0, 1, 0], apart=True, local=True)
+    assert roles.add_generator() == 1  # host 1 holds one of the three placed so far
+    # generators 0 and 2 (host 0) left the pool: host 0 is the emptier one now
+    assert roles.add_generator(active=[1, 1]) == 0
+    assert roles.generator_host == [0, 1, 0, 1, 0]

@@ -53,10 +53,12 @@ class Roles:
         return [f"generator{i} on {'generator host' if self.apart else 'host'} {h}"
                 for i, h in enumerate(self.generator_host) if self.apart or h != 0]
 
-    def add_generator(self) -> int:
-        """The host index of one more generator: the generator host with the fewest generators."""
+    def add_generator(self, active: list[int] | None = None) -> int:
+        """The host index of one more generator: the generator host with the fewest generators (of
+        `active`, the hosts of the generators in the pool now; default: every generator placed so far)."""
         n = _count(self.generators)
-        counts = [self.generator_host.count(h) for h in range(n)]
+        hosts = self.generator_host if active is None else active
+        counts = [hosts.count(h) for h in range(n)]
         h = counts.index(min(counts)) if self.apart or n > 1 else 0
         self.generator_host.append(h)
         return h

@@ -67,7 +67,9 @@ class PoolError(RunError):
 def join_host(fleet: Any) -> int:
     """The host of a generator that joins: the generator host with the fewest generators (one host:
     host 0). The one place that decides it, so a per-role host layout adapts it here."""
-    return fleet.roles.add_generator() if fleet.roles is not None else 0  # (roles: pipeline/cluster/roles.py)
+    if fleet.roles is None:  # (roles: pipeline/cluster/roles.py)
+        return 0
+    return fleet.roles.add_generator([s.host for s in fleet.generators if s.membership in ("member", "joining")])
 
 
 def join_placement(cfg: Any, fleet: Any, i: int, host: int) -> Placement:
