@@ -6,8 +6,8 @@ on Ctrl-C or SIGTERM, on any error, and (through cleanup.AT_HARD_EXIT) on a forc
         launcher.generator_hosts=1 weight_sync.transport=rdma
 
 What it leaves in out_dir/cluster/: job.json (the scheduler, its job id or host pids, hosts per role,
-the controller's pid, and "released" once it is released), heartbeat (touched every HEARTBEAT_S; a
-Slurm node's worker stops itself once it goes stale), each process host's log, and for Slurm the
+the controller's pid, and "released" once it is released), for Slurm heartbeat (touched every
+HEARTBEAT_S; a node's worker stops itself once it goes stale), each process host's log, and for Slurm the
 submitted script (sbatch.sh) and the job's output (slurm-<id>.out).
 """
 
@@ -89,7 +89,9 @@ def run_under_monarch(cfg: Any, drive: Callable[..., int]) -> int:
             log.info("released the %s job (%.1fs)", lc.job, time.monotonic() - t0)
 
     cleanup.AT_HARD_EXIT.append(release)
-    threading.Thread(target=_heartbeat, args=(cdir / "heartbeat", stop), daemon=True, name="cluster-heartbeat").start()
+    if lc.job == "slurm":  # what a node's worker reads to stop itself once this controller is gone
+        threading.Thread(target=_heartbeat, args=(cdir / "heartbeat", stop), daemon=True,
+                         name="cluster-heartbeat").start()
     try:
         t0 = time.monotonic()
         log.info("asking %s for hosts: %s", lc.job, ", ".join(f"{k} x{v}" for k, v in lc.hosts().items()))

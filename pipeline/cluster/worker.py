@@ -34,14 +34,9 @@ def _kill_session_and_exit(why: str) -> None:
 
 
 def _watch_parent(pid: int) -> None:
-    while True:
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            _kill_session_and_exit(f"its controller (pid {pid}) is gone")
-        if os.getppid() != pid:
-            _kill_session_and_exit(f"its controller (pid {pid}) is gone")
+    while os.getppid() == pid:  # a dead parent's children are re-parented
         time.sleep(0.5)
+    _kill_session_and_exit(f"its controller (pid {pid}) is gone")
 
 
 def _watch_heartbeat(path: str, orphan_s: float) -> None:
