@@ -292,7 +292,6 @@ def closes_its_zmq_sockets():
     yield
     import gc
     import sys
-    import warnings
 
     zmq = sys.modules.get("zmq")
     if zmq is None:
@@ -300,9 +299,9 @@ def closes_its_zmq_sockets():
     # no gc.collect() first: collecting such a context is the hang; gc.get_objects() sees garbage too
     shared = getattr(zmq.Context, "_instance", None)  # the process-wide instance lives to exit
     found = []
-    with warnings.catch_warnings():  # isinstance on a deprecated module attribute (torch's) warns
-        warnings.simplefilter("ignore")
-        contexts = [o for o in gc.get_objects() if isinstance(o, zmq.Context)]
+    # by type, not isinstance: isinstance reads __class__, which a dead weakref.proxy among the objects
+    # answers with ReferenceError, and a deprecated module attribute (torch's) with a warning
+    contexts = [o for o in gc.get_objects() if issubclass(type(o), zmq.Context)]
     for ctx in contexts:
         if ctx is shared or ctx.closed:
             continue
