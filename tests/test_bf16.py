@@ -73,7 +73,7 @@ def changed_fraction(a: dict, b: dict) -> float:
 
 
 def test_bf16_steps_at_a_small_lr_move_the_fp32_master(one_rank):
-    core = TrainCore(bf16_cfg(lr=1e-6))
+    core = TrainCore.from_config(bf16_cfg(lr=1e-6))
     assert all(p.dtype == torch.float32 for p in core.model.parameters())
     before = master(core)
     steps(core, 10)
@@ -86,7 +86,7 @@ def test_bf16_steps_at_a_small_lr_move_the_fp32_master(one_rank):
 
 
 def test_the_bf16_push_is_the_fp32_master_cast_to_bf16(one_rank):
-    core = TrainCore(bf16_cfg(lr=1e-4))
+    core = TrainCore.from_config(bf16_cfg(lr=1e-4))
     steps(core, 2)
     want = {k: v.to(torch.bfloat16) for k, v in export_hf(core.model, core.adapter).items()}  # the fp32 master
     assert all(v.dtype == torch.float32 for v in export_hf(core.model, core.adapter).values())
@@ -107,7 +107,7 @@ def test_the_bf16_push_is_the_fp32_master_cast_to_bf16(one_rank):
 
 
 def test_bf16_export_writes_the_master_cast_to_bf16(one_rank, tmp_path):
-    core = TrainCore(bf16_cfg(lr=1e-4))
+    core = TrainCore.from_config(bf16_cfg(lr=1e-4))
     steps(core, 1)
     core.state.export_hf(tmp_path / "hf")
     written = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -119,10 +119,10 @@ def test_bf16_export_writes_the_master_cast_to_bf16(one_rank, tmp_path):
 
 def test_checkpoint_holds_the_fp32_master_and_a_bf16_checkpoint_loads_upcast(one_rank, tmp_path):
     cfg = bf16_cfg(lr=1e-4)
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     steps(core, 2)
     core.save(tmp_path / "fp32", {"pos": 1})
-    back = TrainCore(cfg)
+    back = TrainCore.from_config(cfg)
     back.load(tmp_path / "fp32")
     assert all(torch.equal(a, b) for a, b in zip(master(core).values(), master(back).values()))
     # A checkpoint of the old bf16 path: every parameter and moment in bf16, plain tensors (one rank had no FSDP).
@@ -130,7 +130,7 @@ def test_checkpoint_holds_the_fp32_master_and_a_bf16_checkpoint_loads_upcast(one
            else local(v).detach() for k, v in core.state._dcp_state(False).items()}
     core.save(tmp_path / "bf16", {"pos": 1})
     dcp.save(old, checkpoint_id=str(tmp_path / "bf16"))  # replaces the tensors; trainer_state.json stays
-    back = TrainCore(cfg)
+    back = TrainCore.from_config(cfg)
     assert back.load(tmp_path / "bf16") == {"pos": 1}
     got = back.state._dcp_state(False)
     for k, v in old.items():
@@ -140,14 +140,14 @@ def test_checkpoint_holds_the_fp32_master_and_a_bf16_checkpoint_loads_upcast(one
 
 
 def test_bf16_kl_reference_is_the_bf16_cast_of_the_warm_started_master(one_rank, tmp_path):
-    core = TrainCore(bf16_cfg(lr=1e-4, kl_coef=0.1))
+    core = TrainCore.from_config(bf16_cfg(lr=1e-4, kl_coef=0.1))
     assert all(p.dtype == torch.bfloat16 for p in core.ref_model.parameters())
     steps(core, 1)
     assert core.state.set_reference()
     ref = {n: local(p) for n, p in resharded(core.ref_model).named_parameters()}
     assert all(torch.equal(ref[n], v.bfloat16()) for n, v in master(core).items())
     core.save(tmp_path / "ck")
-    back = TrainCore(bf16_cfg(lr=1e-4, kl_coef=0.1))
+    back = TrainCore.from_config(bf16_cfg(lr=1e-4, kl_coef=0.1))
     back.load(tmp_path / "ck")
     assert all(torch.equal(local(p), ref[n]) for n, p in resharded(back.ref_model).named_parameters())
 
@@ -156,7 +156,7 @@ def test_bf16_policy_and_kl_reference_compute_the_same_logprobs_at_the_same_weig
     """RoPE rotates in the compute dtype for both (pipeline/models/rope.py), as vLLM does: the fp32-master
     policy computing in bf16 and the bf16-stored reference are one function before any step (a RoPE
     table cast with the model would leave the policy's float32 and the reference's bf16)."""
-    core = TrainCore(bf16_cfg(lr=1e-4, kl_coef=0.1))
+    core = TrainCore.from_config(bf16_cfg(lr=1e-4, kl_coef=0.1))
     ids = torch.randint(4, 60, (3, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         pol, ref = token_logprobs(core.model, ids), token_logprobs(core.ref_model, ids)
@@ -189,7 +189,7 @@ def test_bf16_policy_computes_hf_transformers_bf16_logprobs(one_rank, tmp_path):
 def test_bf16_mis_balance_snapshots_are_bf16_and_the_master_is_put_back_exactly(one_rank):
     cfg = bf16_cfg(lr=1e-4, correction="mis_balance")
     cfg = dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, max_staleness=3))
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     masters = {}
     for v in range(2):
         masters[v] = master(core)
@@ -214,7 +214,7 @@ def test_bf16_mis_balance_snapshots_are_bf16_and_the_master_is_put_back_exactly(
 
 
 def test_bf16_lora_adapters_train_in_fp32_over_a_bf16_base(one_rank):
-    core = TrainCore(bf16_cfg(lr=1e-3, lora=LoraConfig(rank=8, alpha=16)))
+    core = TrainCore.from_config(bf16_cfg(lr=1e-3, lora=LoraConfig(rank=8, alpha=16)))
     dtypes = {n: p.dtype for n, p in core.model.named_parameters()}
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
@@ -227,7 +227,7 @@ def test_bf16_lora_adapters_train_in_fp32_over_a_bf16_base(one_rank):
 def test_bf16_without_torch_distributed_is_refused():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="needs torch.distributed"):
-        TrainCore(bf16_cfg())
+        TrainCore.from_config(bf16_cfg())
 
 
 # ---------------------------------------------------------------- heavy: Monarch trainer meshes, a vLLM engine
@@ -292,7 +292,7 @@ def test_vllm_serves_exactly_the_bf16_cast_of_the_master(restored_environ, one_r
     from vllm.engine.arg_utils import AsyncEngineArgs
     from pipeline.generator.llm import start_llm
 
-    core = TrainCore(bf16_cfg(lr=1e-3))
+    core = TrainCore.from_config(bf16_cfg(lr=1e-3))
     steps(core, 3)
     want = {k: v.to(torch.bfloat16) for k, v in export_hf(core.model, core.adapter).items()}
     args = AsyncEngineArgs(model=str(tiny_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,

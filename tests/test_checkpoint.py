@@ -245,7 +245,7 @@ def test_trainer_restores_rng_per_rank_and_takes_the_new_lr(tmp_path):
     from pipeline.trainer.step import TrainCore
 
     mc = ModelConfig(hf_dir=str(ensure_tiny(cache_dir=REPO / ".cache" / "tiny-model")))
-    a = TrainCore(Config(model=mc, trainer=TrainerConfig(lr=1e-3, warmup_steps=4)))
+    a = TrainCore.from_config(Config(model=mc, trainer=TrainerConfig(lr=1e-3, warmup_steps=4)))
     a.optimizer.step()  # no gradients: the weights stay; the schedule moves one step into the warm-up
     a.scheduler.step()
     a.skipped_steps = 2  # the run's total of skipped steps goes on after a resume
@@ -254,7 +254,7 @@ def test_trainer_restores_rng_per_rank_and_takes_the_new_lr(tmp_path):
     a.save(tmp_path / "ckpt")
     want = (random.random(), torch.rand(3))
     random.seed(0)
-    b = TrainCore(Config(model=mc, trainer=TrainerConfig(lr=5e-4, warmup_steps=4)))  # seeds torch itself
+    b = TrainCore.from_config(Config(model=mc, trainer=TrainerConfig(lr=5e-4, warmup_steps=4)))  # seeds torch itself
     b.load(tmp_path / "ckpt")
     got = (random.random(), torch.rand(3))
     assert got[0] == want[0] and torch.equal(got[1], want[1])

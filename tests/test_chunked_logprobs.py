@@ -149,7 +149,7 @@ def test_the_head_on_the_loss_tokens_only_gives_their_values_and_the_full_gradie
 
 def _core(chunk: int, **trainer) -> TrainCore:
     gen = GeneratorConfig(on_update="abort" if "lora" in trainer else "keep")  # LoRA switches between requests
-    return TrainCore(Config(model=ModelConfig(), generator=gen, trainer=TrainerConfig(
+    return TrainCore.from_config(Config(model=ModelConfig(), generator=gen, trainer=TrainerConfig(
         lr=1e-3, logprob_chunk_tokens=chunk, grad_clip=1e9, **trainer)))
 
 
@@ -197,7 +197,7 @@ def _fsdp_rank(rank: int, init: str, out: str, batch) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        core = TrainCore(Config(model=ModelConfig(), trainer=TrainerConfig(
+        core = TrainCore.from_config(Config(model=ModelConfig(), trainer=TrainerConfig(
             num_ranks=2, lr=1e-3, grad_clip=1e9, entropy_coef=0.02, logprob_chunk_tokens=7)), rank, 2)
         assert core.chunk == 7
         grads: list = []

@@ -125,7 +125,7 @@ def test_qwen2_engine_serves_the_checkpoint_and_the_trainers_logprobs(restored_e
     from pipeline.weightsync.verify import check, served_checksums
 
     cfg = family_cfg("qwen2")
-    core = TrainCore(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32")))
+    core = TrainCore.from_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32")))
     tok = load_tokenizer(cfg.model.hf_dir)
     llm = start_engine(cfg, loop)
     try:
@@ -164,9 +164,9 @@ def test_llama_engine_serves_the_trainers_logprobs_and_a_pushed_adapter_the_merg
 
     cfg = family_cfg("llama", lora=LORA)
     tok = load_tokenizer(cfg.model.hf_dir)
-    base = TrainCore(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"),
+    base = TrainCore.from_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32"),
                                          trainer=dataclasses.replace(cfg.trainer, lora=LoraConfig())))
-    core = TrainCore(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32")))
+    core = TrainCore.from_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="float32")))
     with torch.no_grad():  # an adapter far from zero, so that serving it or not is visible
         gen = torch.Generator().manual_seed(7)
         for n, p in core.model.named_parameters():

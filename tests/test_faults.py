@@ -237,7 +237,7 @@ def tcfg() -> Config:
 
 
 def test_batch_with_no_loss_tokens_is_skipped_not_fatal(tcfg):
-    core = TrainCore(tcfg)
+    core = TrainCore.from_config(tcfg)
     b = make_batch(core.model)
     empty = replace(b, loss_mask=torch.zeros_like(b.loss_mask))  # every completion empty
     before = weights(core)
@@ -250,7 +250,7 @@ def test_batch_with_no_loss_tokens_is_skipped_not_fatal(tcfg):
 
 
 def test_nonfinite_loss_is_skipped_and_a_streak_of_skips_stops_the_run(tcfg):
-    core = TrainCore(tcfg)  # max_skipped_steps=2
+    core = TrainCore.from_config(tcfg)  # max_skipped_steps=2
     nan_batch = make_batch(core.model, adv=torch.full((6,), 3e38))  # finite inputs; the loss overflows
     good = make_batch(core.model, seed=1)
     with pytest.raises(NonFiniteLossError) as e:
@@ -275,7 +275,7 @@ def test_skip_reason_is_recognised_through_monarchs_actor_error():
 
 
 def test_nonfinite_weights_after_an_optimizer_step_are_never_pushed(tcfg):
-    core = TrainCore(tcfg)
+    core = TrainCore.from_config(tcfg)
     core.optimizer.param_groups[0]["lr"] = float("inf")  # an optimizer blow-up from finite gradients
     with pytest.raises(NonFiniteWeightsError, match="non-finite parameter value") as e:
         core.train_step(make_batch(core.model))
@@ -285,8 +285,8 @@ def test_nonfinite_weights_after_an_optimizer_step_are_never_pushed(tcfg):
 def test_minibatch_step_before_a_nonfinite_one_stays_applied_and_counts_as_skipped(tcfg):
     """Documented choice: minibatch 1's update stays, minibatch 2's non-finite step is not applied,
     the version stays and the step is skipped (its batch goes back); the next batch trains normally."""
-    core = TrainCore(Config(model=tcfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2)))
-    first, _ = minibatch_rows(6, 2, 1, core.cfg.run.seed, core.version)[0]
+    core = TrainCore.from_config(Config(model=tcfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2)))
+    first, _ = minibatch_rows(6, 2, 1, core.seed, core.version)[0]
     adv = torch.full((6,), 3e38)  # finite, but the second minibatch's loss overflows
     adv[first] = torch.tensor([1.0, -1.0, 0.5])
     b = make_batch(core.model, adv=adv)

@@ -33,7 +33,7 @@ def lora_cfg(**kw) -> Config:
 
 
 def trained_core(steps: int = 2) -> TrainCore:
-    core = TrainCore(lora_cfg())
+    core = TrainCore.from_config(lora_cfg())
     for s in range(steps):
         core.train_step(make_batch(core.model, seed=30 + s, mu_noise=0.1))
     return core
@@ -42,7 +42,7 @@ def trained_core(steps: int = 2) -> TrainCore:
 def test_only_the_adapters_train_and_a_push_carries_only_them(tiny_dir):
     from pipeline.weightsync import BucketPlan
 
-    core = TrainCore(lora_cfg())
+    core = TrainCore.from_config(lora_cfg())
     before = {n: p.detach().clone() for n, p in core.model.named_parameters()}
     core.train_step(make_batch(core.model, seed=5, mu_noise=0.1))
     changed = {n for n, p in core.model.named_parameters() if not torch.equal(before[n], p)}
@@ -90,7 +90,7 @@ def test_mis_balance_snapshots_hold_only_the_adapters_and_score_as_full_copies()
     holds the adapters only, its reported bytes are theirs in the snapshot dtype, and log_mix is the
     log-mixture of forwards with whole copies of each version's weights."""
     c = mis_cfg(dataclasses.replace(lora_cfg(), generator=GeneratorConfig(on_update="drain")), max_staleness=2)
-    core = TrainCore(c)
+    core = TrainCore.from_config(c)
     copies = {}
     for v in range(2):
         copies[v] = {k: w.detach().clone() for k, w in core.model.state_dict().items()}
@@ -142,7 +142,7 @@ def test_pushed_adapters_served_by_vllm_lora_give_the_trainers_logprobs(tiny_dir
     env_before = dict(os.environ)
     cfg = lora_cfg()
     cfg = dataclasses.replace(cfg, generator=dataclasses.replace(cfg.generator, max_model_len=128))
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     ids = [int(x) for x in torch.randint(4, 50, (16,), generator=torch.Generator().manual_seed(2))]
 
     async def served(llm, req) -> torch.Tensor:

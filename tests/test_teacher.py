@@ -111,7 +111,7 @@ def test_teacher_equal_to_the_student_gives_advantage_zero(tiny_dir):
     cfg = Config(model=ModelConfig(), trainer=TrainerConfig(lr=1e-3, recipe="opd"),
                  teacher=load_config(None, ["teacher.hf_dir=self"]).teacher)
     cfg.generator.temperature = T
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     core.temperature = T
     b = make_batch(core.model, n=4, t=24, seed=2)
     teacher = TeacherScorer(tiny_dir, temperature=T)
@@ -127,7 +127,7 @@ def test_teacher_equal_to_the_student_gives_advantage_zero(tiny_dir):
     from tests.test_trainer_core import replace
 
     m_opd = core.train_step(replace(b, teacher_logprobs=tl))
-    core2 = TrainCore(Config(model=ModelConfig(), trainer=TrainerConfig(lr=1e-3)))
+    core2 = TrainCore.from_config(Config(model=ModelConfig(), trainer=TrainerConfig(lr=1e-3)))
     core2.temperature = T
     m_rl = core2.train_step(b)
     assert m_opd["grad_norm"] < 1e-4 * m_rl["grad_norm"]
@@ -197,7 +197,7 @@ def test_distill_coef_zero_run_step_equals_grpo_step_with_a_teacher_attached():
     from tests.test_trainer_core import make_batch, replace, weights
 
     cfg = Config(model=ModelConfig(), trainer=TrainerConfig(lr=1e-3, recipe="grpo"))
-    a, b = TrainCore(cfg), TrainCore(cfg)
+    a, b = TrainCore.from_config(cfg), TrainCore.from_config(cfg)
     batch = make_batch(a.model, seed=4)
     tl = (batch.behaviour_logprobs - 0.3) * batch.loss_mask
     ma = a.train_step(replace(batch, teacher_logprobs=tl))
@@ -215,7 +215,7 @@ def test_opd_step_moves_the_student_towards_the_teacher():
 
     cfg = Config(model=ModelConfig(), trainer=TrainerConfig(lr=3e-3, recipe="opd"),
                  teacher=load_config(None, ["teacher.hf_dir=self"]).teacher)
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     batch = make_batch(core.model, seed=6)
     g = torch.Generator().manual_seed(0)
     tl = ((batch.behaviour_logprobs + 0.5 * torch.randn(batch.behaviour_logprobs.shape, generator=g)).clamp(max=0)

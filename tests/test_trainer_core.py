@@ -51,7 +51,7 @@ def cfg() -> Config:
 
 @pytest.fixture()
 def core(cfg) -> TrainCore:
-    return TrainCore(cfg)
+    return TrainCore.from_config(cfg)
 
 
 def replace(batch: Batch, **kw) -> Batch:
@@ -98,7 +98,7 @@ def test_nonfinite_loss_stops_the_step_without_updating(core):
 
 
 def test_positive_advantage_raises_that_answers_logprob(cfg):
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     prompt = [5, 6, 7, 8]
     good, bad = [20, 21, 22, 23, 2], [30, 31, 32, 33, 2]
     ids = torch.tensor([prompt + good, prompt + bad] * 2)
@@ -125,7 +125,7 @@ def test_on_policy_every_correction_gives_the_ppo_update(cfg):
     results = {}
     for mode in ("none", "tis", "seq_is", "mis", "ppo_is", "vanilla_is"):
         c = Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, correction=mode))
-        core = TrainCore(c)
+        core = TrainCore.from_config(c)
         m = core.train_step(make_batch(core.model))
         assert m["is_ess"] == pytest.approx(1.0) and m["mismatch_max"] == 0.0
         results[mode] = (m["loss"], weights(core))
@@ -159,14 +159,14 @@ def test_mismatch_is_split_by_the_version_that_made_each_token(core):
 
 
 def test_save_load_is_bit_identical_and_resumes_exactly(cfg, tmp_path):
-    a = TrainCore(cfg)
+    a = TrainCore.from_config(cfg)
     b1, b2 = make_batch(a.model, seed=1), make_batch(a.model, seed=2)
     a.train_step(b1)
     a.save(tmp_path / "ckpt", data_state={"prompt_pos": 17})
     saved_w, saved_opt = weights(a), {k: v.clone() for k, v in a.optimizer.state_dict()["state"][0].items()}
     want = a.train_step(b2)
 
-    b = TrainCore(cfg)
+    b = TrainCore.from_config(cfg)
     assert b.load(tmp_path / "ckpt") == {"prompt_pos": 17}
     assert b.version == 1 and same(saved_w, weights(b))
     got_opt = b.optimizer.state_dict()["state"][0]
@@ -185,7 +185,7 @@ def test_sft_step_lowers_demo_loss_without_advancing_version(core):
 
 
 def test_kl_penalty_to_initial_policy_is_reported(cfg):
-    core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, kl_coef=0.1)))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, kl_coef=0.1)))
     b = make_batch(core.model)
     assert core.train_step(b)["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # still the initial policy
     m = core.train_step(b)
@@ -195,13 +195,13 @@ def test_kl_penalty_to_initial_policy_is_reported(cfg):
 
 
 def test_pi_old_pass_is_timed_apart_when_there_are_later_minibatches(cfg):
-    core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2, kl_coef=0.0)))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2, kl_coef=0.0)))
     m = core.train_step(make_batch(core.model))
     assert m["time/pi_old_s"] > 0 and m["time/ref_s"] == 0.0 and m["time/policy_s"] > 0
 
 
 def test_sft_step_at_its_own_lr_leaves_the_rl_lr_alone(cfg):
-    a, b = TrainCore(cfg), TrainCore(cfg)
+    a, b = TrainCore.from_config(cfg), TrainCore.from_config(cfg)
     batch = make_batch(a.model)
     w0 = weights(a)
     a.sft_step(batch.input_ids, batch.loss_mask, lr=1e-2)
@@ -215,13 +215,13 @@ def test_kl_reference_is_the_warm_started_policy_and_survives_a_checkpoint(cfg, 
     """set_reference (after the warm start) re-anchors the KL; a checkpoint keeps that reference, so a
     resumed run does not fall back to the initial checkpoint's policy."""
     tc = TrainerConfig(lr=1e-2, kl_coef=0.1)
-    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=tc))
     b = make_batch(core.model)
     for _ in range(3):
         core.sft_step(b.input_ids, b.loss_mask)  # the warm start moves the policy
     b = make_batch(core.model)  # μ = the warm-started policy
     assert core.train_step(b)["kl_ref"] > 1e-4  # still anchored to the initial policy
-    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=tc))
     for _ in range(3):
         core.sft_step(b.input_ids, b.loss_mask)
     assert core.state.set_reference()
@@ -229,30 +229,30 @@ def test_kl_reference_is_the_warm_started_policy_and_survives_a_checkpoint(cfg, 
     assert core.train_step(b)["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     ref = {k: v.clone() for k, v in core.ref_model.state_dict().items()}
     core.save(tmp_path / "ckpt")
-    fresh = TrainCore(Config(model=cfg.model, trainer=tc))
+    fresh = TrainCore.from_config(Config(model=cfg.model, trainer=tc))
     fresh.load(tmp_path / "ckpt")
     assert same(ref, {k: v for k, v in fresh.ref_model.state_dict().items()})
-    assert not same(ref, {k: v.detach() for k, v in TrainCore(Config(model=cfg.model, trainer=tc)).ref_model.state_dict().items()})
+    assert not same(ref, {k: v.detach() for k, v in TrainCore.from_config(Config(model=cfg.model, trainer=tc)).ref_model.state_dict().items()})
 
 
 def test_adaptive_entropy_coefficient_steps_and_is_checkpointed(cfg, tmp_path):
     tc = TrainerConfig(lr=1e-3, entropy_coef=0.001, entropy_target=100.0, entropy_adapt_rate=1e-4,
                        entropy_coef_max=0.5)
-    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=tc))
     b = make_batch(core.model)
     m1 = core.train_step(b)
     m2 = core.train_step(b)
     assert m1["entropy_coef"] == 0.001  # the coefficient the step used
     assert m2["entropy_coef"] == pytest.approx(0.001 + 1e-4 * (100.0 - m1["entropy"]))
     core.save(tmp_path / "ckpt")
-    fresh = TrainCore(Config(model=cfg.model, trainer=tc))
+    fresh = TrainCore.from_config(Config(model=cfg.model, trainer=tc))
     fresh.load(tmp_path / "ckpt")
     assert fresh.entropy_coef == core.entropy_coef > m2["entropy_coef"]
 
 
 def test_micro_batches_accumulate_to_the_full_batch_step(cfg):
-    full = TrainCore(cfg)
-    micro = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, micro_batch_size=4)))
+    full = TrainCore.from_config(cfg)
+    micro = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, micro_batch_size=4)))
     b = make_batch(full.model, n=7, mu_noise=0.2)
     mf, mm = full.train_step(b), micro.train_step(b)
     for k in ("loss", "grad_norm", "tokens", "mismatch_resp_max", "is_ess", "entropy"):
@@ -268,7 +268,7 @@ def test_learner_scores_the_temperature_scaled_distribution_the_sampler_used():
     from pipeline.config import GeneratorConfig
 
     cfg = Config(model=ModelConfig(), trainer=TrainerConfig(lr=1e-3), generator=GeneratorConfig(temperature=0.5))
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     b = make_batch(core.model)
     with torch.no_grad():
         lp = torch.log_softmax(core.model(b.input_ids)[:, :-1].float() / 0.5, -1)
@@ -288,7 +288,7 @@ def hand_steps(core: TrainCore, b: Batch, minibatches: int, epochs: int = 1, fix
     mask, mu = b.loss_mask[:, 1:], b.behaviour_logprobs[:, 1:]
     with torch.no_grad():
         old = token_logprobs(core.model, b.input_ids)
-    for split in minibatch_rows(b.num_samples, minibatches, epochs, core.cfg.run.seed, core.version):
+    for split in minibatch_rows(b.num_samples, minibatches, epochs, core.seed, core.version):
         for rows in split:
             if not fixed_old:
                 with torch.no_grad():
@@ -312,7 +312,7 @@ def test_minibatches_equal_hand_steps_against_a_fixed_pi_old(cfg, epochs, micro)
     # (the chunked head equals it within float rounding, tests/test_chunked_logprobs.py)
     c = Config(model=cfg.model, trainer=TrainerConfig(lr=lr, minibatches=2, epochs=epochs, micro_batch_size=micro,
                                                       logprob_chunk_tokens=0))
-    auto, hand, drift = TrainCore(c), TrainCore(c), TrainCore(c)  # same seed: same initial weights
+    auto, hand, drift = TrainCore.from_config(c), TrainCore.from_config(c), TrainCore.from_config(c)  # same seed: same initial weights
     b = make_batch(auto.model, n=7, mu_noise=0.2)
     m = auto.train_step(b)
     hand_steps(hand, b, 2, epochs)
@@ -326,8 +326,8 @@ def test_minibatches_equal_hand_steps_against_a_fixed_pi_old(cfg, epochs, micro)
 
 
 def test_minibatches_make_the_clip_bite_and_the_version_advance_once(cfg):
-    one = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2)))
-    four = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, minibatches=4)))
+    one = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2)))
+    four = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, minibatches=4)))
     b = make_batch(one.model, n=8)  # behaviour logprobs = the learner's own: on-policy
     m1, m4 = one.train_step(b), four.train_step(b)
     assert m1["clip_frac"] == 0.0 and m1["optimizer_steps"] == 1  # r = π_θ / π_old = 1 exactly
@@ -373,7 +373,7 @@ def test_length_sorted_cut_micro_batches_give_the_padded_batch_gradient(cfg):
     the full logits) and the same metrics."""
     tc = TrainerConfig(lr=1e-3, micro_batch_size=2, logprob_chunk_tokens=5, grad_clip=1e9, correction="tis",
                        entropy_coef=0.01)
-    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=tc))
     b = make_batch(core.model, n=7, t=24, prompt_len=4, mu_noise=0.3, seed=3)
     mask, ids = b.loss_mask.clone(), b.input_ids.clone()
     for i, end in enumerate([24, 9, 15, 6, 24, 12, 4]):  # row 6: no loss tokens
@@ -405,7 +405,7 @@ def test_length_sorted_cut_micro_batches_give_the_padded_batch_gradient(cfg):
 
 
 def test_too_few_samples_for_the_minibatches_are_refused(cfg):
-    core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(minibatches=8)))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(minibatches=8)))
     before = weights(core)
     with pytest.raises(BadBatchError, match="trainer.minibatches=8"):
         core.train_step(make_batch(core.model, n=6))
@@ -415,8 +415,8 @@ def test_too_few_samples_for_the_minibatches_are_refused(cfg):
 def test_nonfinite_later_minibatch_raises_before_its_own_update(cfg):
     """Documented behaviour: the first minibatch's step stays applied, the failing one is not, and
     the version does not advance (nothing is snapshotted; the run is expected to stop)."""
-    core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2)))
-    first, _ = minibatch_rows(6, 2, 1, core.cfg.run.seed, core.version)[0]
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2)))
+    first, _ = minibatch_rows(6, 2, 1, core.seed, core.version)[0]
     adv = torch.full((6,), 3e38)  # finite, but the second minibatch's loss overflows
     adv[first] = torch.tensor([1.0, -1.0, 0.5])
     b = make_batch(core.model, adv=adv)
@@ -445,7 +445,7 @@ def trainer_log_mixture(c: Config, copies: dict, b: Batch, own: list[int]) -> li
     """log Σ_j α_j q_j(y_i) in float64 by hand, every q_j a forward of a fresh core with version j's
     whole state dict (`copies`), for the first samples, each of the one version `own` names."""
     mask = b.loss_mask[:, 1:].float()
-    ref = TrainCore(c)
+    ref = TrainCore.from_config(c)
     vs = sorted(set(own))
     logq = torch.zeros(b.num_samples, len(vs), dtype=torch.float64)
     for k, j in enumerate(vs):
@@ -461,7 +461,7 @@ def test_mis_balance_scores_every_sample_under_every_version_of_its_batch(cfg):
     one spanning two) gets log Σ_j α_j q_j(y) with every q_j from a copy of version j's weights (taken
     here by hand), the sample's own version included; the spanning one gets seq_is's weight, counted."""
     c = mis_cfg(cfg)
-    core = TrainCore(c)
+    core = TrainCore.from_config(c)
     copies = {}
     for v in range(3):
         copies[v] = weights(core)
@@ -498,7 +498,7 @@ def test_mis_balance_likelihoods_come_from_the_trainer_not_the_sampler(cfg):
     by noise: log_mix is the same under two noise draws (the sampler's likelihood is in no q_j) and
     equals the log-mixture of the trainer's forwards with each version's weights, in float64 by hand."""
     c = mis_cfg(cfg)
-    core = TrainCore(c)
+    core = TrainCore.from_config(c)
     copies = {0: weights(core)}
     core.train_step(make_batch(core.model, seed=40))
     copies[1] = weights(core)
@@ -519,7 +519,7 @@ def test_mis_balance_likelihoods_come_from_the_trainer_not_the_sampler(cfg):
 def test_mis_balance_without_a_snapshot_falls_back_to_seq_is(cfg):
     c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, correction="mis_balance"),
                             generator=dataclasses.replace(cfg.generator, on_update="drain"))
-    core = TrainCore(c)
+    core = TrainCore.from_config(c)
     b = make_batch(core.model, seed=3, mu_noise=0.2)
     core.version = 5  # as after a resume: versions 4 and 5 in the batch, no snapshot of 4
     ver = torch.where(b.loss_mask > 0, 5, -1).long()
@@ -536,7 +536,7 @@ def test_grad_variance_is_the_spread_of_the_micro_batch_gradients(cfg):
     the loss (global denominators) by autograd, then K/(K-1)·(Σ||g_k||² − ||Σ g_k||²/K); a batch of
     identical rows has identical chunks, so no variance."""
     tc = TrainerConfig(lr=1e-3, micro_batch_size=2, grad_variance=True, kl_coef=0.0, correction="seq_is")
-    core = TrainCore(Config(model=cfg.model, trainer=tc))
+    core = TrainCore.from_config(Config(model=cfg.model, trainer=tc))
     b = make_batch(core.model, n=8, mu_noise=0.3)
     params = [p for p in core.model.parameters()]
     mask = b.loss_mask[:, 1:].float()
@@ -568,11 +568,11 @@ def test_overlong_filter_trains_as_if_the_truncated_samples_had_no_loss_tokens(c
     reports their share, and differs from the unfiltered step."""
     def step(overlong_filter: bool, batch: Batch) -> tuple[dict, dict]:
         torch.manual_seed(0)
-        core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, overlong_filter=overlong_filter)))
+        core = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-2, overlong_filter=overlong_filter)))
         return core.train_step(batch), weights(core)
 
     torch.manual_seed(0)
-    base = make_batch(TrainCore(cfg).model, mu_noise=0.05)
+    base = make_batch(TrainCore.from_config(cfg).model, mu_noise=0.05)
     truncated = torch.tensor([False, True, False, True, False, False])
     flagged = dataclasses.replace(base, truncated=truncated)
     masked = dataclasses.replace(base, loss_mask=base.loss_mask * (~truncated).float()[:, None])
@@ -590,7 +590,7 @@ def test_dr_grpo_divides_by_the_batchs_rollout_budget(cfg):
     (task.max_total_tokens for multi-turn ones), and by generator.max_new_tokens when the batch has none."""
     def loss(max_len: int) -> float:
         torch.manual_seed(0)
-        core = TrainCore(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, recipe="dr_grpo", correction="none")))
+        core = TrainCore.from_config(Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, recipe="dr_grpo", correction="none")))
         base = make_batch(core.model)
         return core.train_step(dataclasses.replace(base, max_len=max_len))["loss"]
 
@@ -620,7 +620,7 @@ def test_minibatches_are_reshuffled_every_epoch_from_the_seed_and_the_version(cf
     def run(seed: int, steps: int = 2) -> list[list[list[int]]]:
         c = Config(model=cfg.model, trainer=TrainerConfig(lr=1e-3, minibatches=2, epochs=3))
         c.run.seed = seed
-        core = TrainCore(c)
+        core = TrainCore.from_config(c)
         log = minibatch_log(core)
         for v in range(steps):
             torch.manual_seed(100 + v + seed)  # the global RNG plays no part

@@ -55,7 +55,7 @@ def test_engine_serves_the_push_bit_for_bit_and_names_a_corrupted_tensor(restore
     from vllm.engine.arg_utils import AsyncEngineArgs
     from pipeline.generator.llm import start_llm
 
-    core = TrainCore(Config(model=ModelConfig(hf_dir=str(qwen_dir), dtype="bfloat16"), trainer=TrainerConfig(lr=1e-3)))
+    core = TrainCore.from_config(Config(model=ModelConfig(hf_dir=str(qwen_dir), dtype="bfloat16"), trainer=TrainerConfig(lr=1e-3)))
     core.train_step(make_batch(core.model, mu_noise=0.1))  # weights the checkpoint does not hold
     args = AsyncEngineArgs(model=str(qwen_dir), dtype="bfloat16", enforce_eager=True, max_model_len=256, seed=0,
                            **vllm_engine_kwargs())

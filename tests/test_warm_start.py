@@ -66,7 +66,7 @@ def config(tmp_path) -> Config:
 @pytest.mark.parametrize("mode", ["fixed", "auto"])
 def test_the_first_rl_step_after_a_warm_start_starts_adamw_afresh(tmp_path, mode):
     cfg = config(tmp_path)
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     trainer, task = InProcess(core), load_task(cfg.task.name, cfg.task)
     tokenizer = load_tokenizer(model_dir(cfg.model))
     if mode == "fixed":
@@ -81,7 +81,7 @@ def test_the_first_rl_step_after_a_warm_start_starts_adamw_afresh(tmp_path, mode
     steps = {float(s["step"]) for s in core.optimizer.state.values()}
     assert steps == {1.0}, f"AdamW step counts after the first RL step: {sorted(steps)} (the warm start's carried over)"
     # the same step from the warm-started weights on a fresh optimizer moves every weight alike
-    fresh = TrainCore(cfg)
+    fresh = TrainCore.from_config(cfg)
     fresh.model.load_state_dict(warmed)
     fresh.train_step(batch)
     for (k, a), b in zip(core.model.state_dict().items(), fresh.model.state_dict().values()):

@@ -11,7 +11,7 @@
     errors.py     the errors the driver tells apart (skipped step or fatal)
 
 Example:
-    core = TrainCore(cfg, rank, world)
+    core = TrainCore.from_config(cfg, rank, world)
     metrics = core.train_step(batch)
     core.state.export_hf(out_dir)
 """

@@ -30,7 +30,7 @@ step (pipeline/trainer/errors.py) raises on every rank alike and leaves the vers
 no gradient behind (a batch's earlier minibatch steps stay applied, see `train_step`).
 
 Example:
-    core = TrainCore(cfg, rank, world)       # torch.distributed already initialised when world > 1
+    core = TrainCore.from_config(cfg, rank, world)       # torch.distributed already initialised when world > 1
     metrics = core.train_step(batch)         # one version; raises a skip or a fatal error
     core.sft_step(input_ids, loss_mask, lr)  # the warm start: no version, no schedule step
     core.state.export_hf(out_dir)            # vLLM-loadable HF directory (collective; rank 0 writes)
@@ -47,7 +47,7 @@ import time
 import torch
 
 from pipeline import losses
-from pipeline.config import Config
+from pipeline.config import Config, ModelConfig, TrainerConfig
 from pipeline.loss_parts import loss_spec, step_metrics
 from pipeline.models import read_arch
 from pipeline.models.hf import model_dir
@@ -121,16 +121,22 @@ def spans(loss_mask: torch.Tensor) -> torch.Tensor:
 class TrainCore:
     """One trainer rank: the steps, and the counters a checkpoint carries (module docstring)."""
 
-    def __init__(self, cfg: Config, rank: int = 0, world: int = 1) -> None:
-        self.cfg, self.tcfg = cfg, cfg.trainer
+    def __init__(self, tcfg: TrainerConfig, model: ModelConfig, *, seed: int, temperature: float,
+                 max_staleness: int, max_new_tokens: int, rank: int = 0, world: int = 1) -> None:
+        """The trainer's own section, the model, and the four values it reads from others: `seed`
+        (run.seed: the initial weights' randomness and the minibatch permutation), `temperature`
+        (generator.temperature: the learner scores the distribution the sampler drew from),
+        `max_staleness` (buffer.max_staleness: how many versions mis_balance keeps snapshots of) and
+        `max_new_tokens` (generator.max_new_tokens: Dr. GRPO's normaliser when a batch names none)."""
+        self.tcfg, self.seed, self.max_new_tokens = tcfg, seed, max_new_tokens
         self.loss = loss_spec(self.tcfg)  # the recipe's parts, resolved once
         self.par = Parallel(self.tcfg, rank, world)
         self.device = self.par.device
-        torch.manual_seed(cfg.run.seed)
-        hf_dir = model_dir(cfg.model)
+        torch.manual_seed(seed)
+        hf_dir = model_dir(model)
         self.vocab_size = read_arch(hf_dir).vocab_size
         # model.dtype is the compute dtype and the generators'; the trained weights stay float32 (parallel.py)
-        dtype = getattr(torch, cfg.model.dtype)
+        dtype = getattr(torch, model.dtype)
         self.model, self.adapter = self.par.build(hf_dir, dtype, self.tcfg.lora)
         self.ref_model = None
         if self.tcfg.kl_coef > 0:  # frozen reference for the KL penalty: initial policy until set_reference
@@ -144,15 +150,22 @@ class TrainCore:
                                   self.optimizer, self.scheduler, dtype)
         # The sampler's logprobs are of the temperature-scaled distribution it sampled from
         # (generator.logprobs_mode=processed, enforced by Config), so the learner scores the same.
-        self.temperature = cfg.generator.temperature
+        self.temperature = temperature
         # trainer.logprob_chunk_tokens: the loss in token chunks (chunked.py), unless tensor parallelism shards
         # the output head over the vocabulary, which keeps the full logits
         self.chunk = self.tcfg.logprob_chunk_tokens if chunked.chunkable(self.model) else 0
-        self.snapshots = Snapshots(self.model, cfg.buffer.max_staleness, self._scorer(self.model), dtype)
+        self.snapshots = Snapshots(self.model, max_staleness, self._scorer(self.model), dtype)
         # the counters trainer_state.json carries (save / load)
         self.version = self.samples_seen = self.skipped_steps = 0
         self.entropy_coef = self.tcfg.entropy_coef  # adapted after each step when trainer.entropy_target > 0
         self.consecutive_skips = 0  # not checkpointed: a resumed run starts a new streak
+
+    @classmethod
+    def from_config(cls, cfg: Config, rank: int = 0, world: int = 1) -> "TrainCore":
+        """The core of a whole Config: its trainer and model sections and the four values named above."""
+        return cls(cfg.trainer, cfg.model, seed=cfg.run.seed, temperature=cfg.generator.temperature,
+                   max_staleness=cfg.buffer.max_staleness, max_new_tokens=cfg.generator.max_new_tokens,
+                   rank=rank, world=world)
 
     def _scorer(self, model: torch.nn.Module) -> Score:
         """Token ids (any device) -> `model`'s log-probs at the sampling temperature."""
@@ -229,7 +242,7 @@ class TrainCore:
         lengths = None if t.grad_variance else spans(batch.loss_mask)
         plans = [minibatch_plan(batch.num_samples, t.minibatches, self.par.dp_world, self.par.dp_rank,
                                 t.micro_batch_size, lengths, split)
-                 for split in minibatch_rows(batch.num_samples, t.minibatches, t.epochs, self.cfg.run.seed, self.version)]
+                 for split in minibatch_rows(batch.num_samples, t.minibatches, t.epochs, self.seed, self.version)]
         plan = plans[0]
         self.model.train()
         t_start = time.perf_counter()
@@ -323,7 +336,7 @@ class TrainCore:
                                              self.loss, ref=ref, denominators=den, entropy=ent,
                                              entropy_coef=self.entropy_coef,
                                              log_mix=None if prox.log_mix is None else prox.log_mix[rows],
-                                             max_len=batch.max_len or self.cfg.generator.max_new_tokens)
+                                             max_len=batch.max_len or self.max_new_tokens)
             (loss * self.par.dp_world).backward()
             if chunks is not None:
                 chunks.add(self.model)

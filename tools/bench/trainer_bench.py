@@ -225,7 +225,7 @@ def ragged(args) -> None:
     cores = {}
     for m in args.micro:
         cfg = load_config(args.config, args.overrides + [f"trainer.micro_batch_size={m}"])
-        cores[m] = TrainCore(cfg)
+        cores[m] = TrainCore.from_config(cfg)
     vocab = next(iter(cores.values())).vocab_size
     batches = [ragged_batch(args.samples, args.prompt_len, lens, vocab, s) for s in range(args.steps + 1)]
     width = [b.input_ids.shape[1] for b in batches]

@@ -86,7 +86,7 @@ def main() -> None:
     finally:
         stop_engine(llm)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     result: dict = {"cpu": cpu_model(), "repeats": args.repeats, "prompts": args.prompts, "orders": {}}
     hf_forward = HFRMSNorm.forward
     for order in ("hf", "torch"):

@@ -46,7 +46,7 @@ def flat(core: TrainCore) -> torch.Tensor:
 def run_seed(seed: int, warm: int, rl: int) -> dict[str, list[dict]]:
     cfg = load_config(REPO / "configs" / "tiny.yaml", [f"run.seed={seed}", f"task.seed={seed}",
                                                        "run.out_dir=/tmp/warm_start_moments"])
-    core = TrainCore(cfg)
+    core = TrainCore.from_config(cfg)
     task, tok = load_task(cfg.task.name, cfg.task), load_tokenizer(model_dir(cfg.model))
     items, n = PromptStream(task, cfg.task.seed + 7919), cfg.buffer.batch_groups * cfg.buffer.group_size
     last = None

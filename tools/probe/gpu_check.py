@@ -209,7 +209,7 @@ def run(args) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         t0 = time.perf_counter()
-        core = TrainCore(cfg)
+        core = TrainCore.from_config(cfg)
         build_s = time.perf_counter() - t0
         n_params = sum(p.numel() for p in core.model.parameters())
         master = {str(p.dtype).removeprefix("torch.") for p in core.model.parameters()}
