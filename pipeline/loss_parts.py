@@ -12,7 +12,7 @@
 
 Each part returns its own per-shard sums (the trainer all-reduces them); a part whose sums the trainer
 turns into per-batch metrics also has an entry in STEP_METRICS. The table keys are the values the
-config accepts: pipeline/config/trainer.py LOSS_PARTS lists them (the config package imports nothing
+config accepts: pipeline/config/recipes.py LOSS_PARTS lists them (the config package imports nothing
 of the project), and importing this module checks that the two agree.
 
 Adding a part: its function here, its entry in the table, its name in LOSS_PARTS, and a test that holds
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from pipeline.config.trainer import LOSS_PARTS
+from pipeline.config.recipes import LOSS_PARTS
 
 if TYPE_CHECKING:
     from pipeline.config import TrainerConfig
@@ -288,4 +288,4 @@ _TABLES = {"ratio_level": RATIOS, "weight_form": SURROGATES, "correction": CORRE
 for _key, _table in _TABLES.items():  # the config accepts exactly the parts there are
     if tuple(_table) != LOSS_PARTS[_key]:
         raise ImportError(f"loss_parts: {_key} table {tuple(_table)} differs from the config's LOSS_PARTS "
-                          f"{LOSS_PARTS[_key]} (pipeline/config/trainer.py)")
+                          f"{LOSS_PARTS[_key]} (pipeline/config/recipes.py)")

@@ -71,7 +71,7 @@ sg(clip(r, 1 − ε_low, 1 + ε_high))·A·logp (no dual clip). icepop is mis (d
 The parts are looked up by name, one table per kind, in pipeline/loss_parts.py (RATIOS, SURROGATES,
 CORRECTIONS, AGGREGATIONS), from the LossSpec the TrainerConfig resolves to (`loss_spec`); each part
 returns its own sums. Adding a part: its function and table entry there, its name in the config's
-LOSS_PARTS (pipeline/config/trainer.py), its line above, and a test against a direct computation.
+LOSS_PARTS (pipeline/config/recipes.py), its line above, and a test against a direct computation.
 
 Aggregation: token_mean divides Σ ℓ·mask by the token count; seq_mean averages each sequence's
 token mean over sequences; constant divides Σ ℓ·mask by sequences × max_len (Dr. GRPO). The denominators are arguments so a data-parallel trainer can pass

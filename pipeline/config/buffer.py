@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.config.errors import check, choice, id_set
+from pipeline.config.recipes import resolve_buffer
 
 
 @dataclass
@@ -61,12 +62,7 @@ class BufferConfig:
     default), with one torch thread per core."""
 
     def __post_init__(self) -> None:
-        self.std_explicit = self.normalize_std is not None  # a plain attribute: Config lets the recipe decide
-        if self.normalize_std is None:
-            self.normalize_std = True
-        self.zero_signal_explicit = self.zero_signal is not None  # likewise (dapo's dynamic sampling)
-        if self.zero_signal is None:
-            self.zero_signal = "auto"
+        resolve_buffer(self)  # recipe parts: pipeline/config/recipes.py
         check(1 <= self.group_size <= 1024, "buffer.group_size", self.group_size, "1..1024")
         check(1 <= self.batch_groups <= 65536, "buffer.batch_groups", self.batch_groups, "1..65536")
         check(0 <= self.max_staleness <= 1000, "buffer.max_staleness", self.max_staleness, "0..1000")

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pipeline.config.errors import ConfigError
-from pipeline.config.trainer import RECIPE_PARTS
+from pipeline.config.recipes import unset_parts
 from pipeline.config.tree import Config
 
 REMOVED_KEYS: dict[str, str] = {
@@ -80,10 +80,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         cfg = OmegaConf.structured(Config)
         # The recipe parts start unset (the defaults' own __post_init__ resolved them), so that the
         # sections can tell a key the file or the command line named from one trainer.recipe fills.
-        for key in RECIPE_PARTS:
-            cfg.trainer[key] = None
-        cfg.buffer.normalize_std = None
-        cfg.buffer.zero_signal = None
+        unset_parts(cfg)
         if path is not None:
             p = Path(path)
             if not p.is_file():

@@ -3,64 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from pipeline.config.errors import check, choice, id_set
+from pipeline.config.recipes import LOSS_PARTS, SEQUENCE_CORRECTIONS, resolve_trainer
 
 LORA_TARGETS = {"wqkv": "attention.qkv_linear.wqkv", "wo": "attention.wo", "w1": "feed_forward.w1",
                 "w2": "feed_forward.w2", "w3": "feed_forward.w3"}
 """trainer.lora.targets names -> the torchtitan module path inside a block (pipeline/lora.py adapts them)."""
-
-RECIPE_PARTS = ("clip_eps", "clip_eps_low", "clip_eps_high", "dual_clip", "ratio_level", "weight_form", "aggregation",
-                "overlong_buffer", "overlong_penalty", "overlong_filter", "mis_low", "mis_high", "distill_coef",
-                "reward_coef")
-"""The trainer keys a recipe sets (each None until resolved: a key the config names wins over its recipe).
-buffer.normalize_std and buffer.zero_signal are parts too (resolved by Config, tree.py), and so is overlong_buffer under dapo
-(a fifth of generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
-
-NO_PRESET = {"clip_eps": 0.2, "dual_clip": 3.0, "ratio_level": "token", "weight_form": "ppo",
-             "aggregation": "token_mean", "overlong_buffer": 0, "overlong_penalty": 1.0, "overlong_filter": False,
-             "mis_low": 0.5, "mis_high": 2.0, "distill_coef": 0.0, "reward_coef": 1.0}
-"""recipe=none: each part at its own default (the loss this trainer had before recipes)."""
-
-RECIPES: dict[str, dict] = {
-    "none": {},
-    # GRPO (Shao et al. 2024, DeepSeekMath): PPO-clip, symmetric 0.2, each response's token mean, std on
-    "grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "seq_mean", "normalize_std": True},
-    # DAPO (Yu et al. 2025): clip-higher 0.2/0.28, token mean over the batch, overlong shaping + filtering,
-    # dynamic sampling (groups without an accuracy spread dropped: buffer.zero_signal=drop)
-    "dapo": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "dual_clip": 0.0, "aggregation": "token_mean",
-             "overlong_buffer": None, "overlong_penalty": 1.0, "overlong_filter": True, "normalize_std": True,
-             "zero_signal": "drop"},
-    # Dr. GRPO (Liu et al. 2025): no std, constant normaliser (the rollout's budget, Batch.max_len)
-    "dr_grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "constant", "normalize_std": False},
-    # GSPO (Zheng et al. 2025): sequence-level, length-normalised ratio, clip 3e-4 / 4e-4, sequence mean
-    "gspo": {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "dual_clip": 0.0, "ratio_level": "sequence",
-             "aggregation": "seq_mean", "normalize_std": True},
-    # CISPO (MiniMax-M1, 2025): clipped, detached IS weight on a REINFORCE term; no lower bound, token mean
-    "cispo": {"clip_eps_low": 1.0, "clip_eps_high": 0.28, "weight_form": "cispo", "aggregation": "token_mean",
-              "normalize_std": True},
-    # On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): a per-token advantage
-    # -(log pi_student - log pi_teacher) on the sampled token (reverse KL), the task reward off
-    "opd": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "token_mean", "distill_coef": 1.0, "reward_coef": 0.0,
-            "normalize_std": True},
-    # GRPO's loss with the teacher's per-token advantage added to the group advantage
-    "opd+grpo": {"clip_eps": 0.2, "dual_clip": 0.0, "aggregation": "seq_mean", "distill_coef": 1.0, "reward_coef": 1.0,
-                 "normalize_std": True},
-}
-"""trainer.recipe -> the parts it sets (docs/training.md "Loss recipes"); a part it leaves out takes NO_PRESET's."""
-
-LOSS_PARTS = {"ratio_level": ("token", "sequence"), "weight_form": ("ppo", "cispo"),
-              "correction": ("none", "tis", "seq_is", "geo_is", "mis", "icepop", "mis_balance", "ppo_is", "vanilla_is",
-                             "geo_mask"),
-              "aggregation": ("token_mean", "seq_mean", "constant")}
-"""The values each loss-part key accepts: the keys of pipeline/loss_parts.py's tables, in their order (that
-module checks the two agree when imported; this package imports nothing of the project)."""
-
-SEQUENCE_CORRECTIONS = ("none", "geo_is", "ppo_is")
-"""Off-policy corrections that compose with trainer.ratio_level=sequence: one length-normalised weight per
-sequence (geo_is, as GSPO's s_i is normalised), s_i anchored at the sampler (ppo_is), or none."""
-
 
 @dataclass
 class LoraConfig:
@@ -110,8 +60,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Max global grad norm (> 0)."""
     recipe: str = "none"
-    """Loss recipe preset: none | grpo | dapo | dr_grpo | gspo | cispo | opd | opd+grpo (RECIPES; docs/training.md "Loss
-    recipes"). It sets the parts below marked "recipe part"; a part the config names itself wins."""
+    """Loss recipe preset: none | grpo | dapo | dr_grpo | gspo | cispo | opd | opd+grpo (pipeline/config/recipes.py RECIPES;
+    docs/training.md "Loss recipes"). It sets the parts below marked "recipe part"; a part the config names itself wins."""
     clip_eps: float | None = None
     """Recipe part. PPO clip ε (0 < ε < 1), both sides unless clip_eps_low / clip_eps_high say otherwise (0.2)."""
     clip_eps_low: float | None = None
@@ -227,7 +177,7 @@ class TrainerConfig:
     tokens; each batch goes back to the buffer as dropped) before the run stops (>= 1)."""
 
     def __post_init__(self) -> None:
-        self._resolve_recipe()
+        resolve_trainer(self)
         check(1 <= self.num_ranks <= 4096, "trainer.num_ranks", self.num_ranks, "1..4096")
         choice("trainer.device", self.device, ("cpu", "cuda"))
         choice("trainer.backend", self.backend, ("gloo", "nccl"))
@@ -291,24 +241,3 @@ class TrainerConfig:
         check(self.init_timeout_s > 0, "trainer.init_timeout_s", self.init_timeout_s, "> 0")
         check(self.step_timeout_s > 0, "trainer.step_timeout_s", self.step_timeout_s, "> 0")
         check(self.max_skipped_steps >= 1, "trainer.max_skipped_steps", self.max_skipped_steps, ">= 1")
-
-    def _resolve_recipe(self) -> None:
-        """Fill each recipe part the config left unset (None): the recipe's value, else NO_PRESET's. The
-        parts named explicitly are kept in `explicit_parts` (Config resolves buffer.normalize_std and
-        dapo's overlong_buffer from them)."""
-        choice("trainer.recipe", self.recipe, tuple(RECIPES))
-        preset = RECIPES[self.recipe]
-        given = {f.name for f in fields(self) if f.name in RECIPE_PARTS and getattr(self, f.name) is not None}
-        self.explicit_parts = frozenset(given)  # a plain attribute, not a key
-        icepop = self.correction == "icepop"
-        defaults = {**NO_PRESET, "mis_high": 5.0 if icepop else 2.0}
-        for key in ("clip_eps", "dual_clip", "ratio_level", "weight_form", "aggregation", "overlong_penalty",
-                    "overlong_filter", "mis_low", "mis_high", "distill_coef", "reward_coef"):
-            if key not in given:
-                setattr(self, key, preset.get(key, defaults[key]))
-        if "overlong_buffer" not in given:  # dapo's None: a fifth of generator.max_new_tokens (Config)
-            self.overlong_buffer = preset.get("overlong_buffer", 0)
-        for side in ("clip_eps_low", "clip_eps_high"):
-            if side not in given:  # an explicit symmetric clip_eps beats the recipe's two sides
-                setattr(self, side, self.clip_eps if "clip_eps" in given else preset.get(side, self.clip_eps))
-

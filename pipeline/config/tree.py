@@ -20,11 +20,12 @@ from pipeline.config.generator import GeneratorConfig
 from pipeline.config.ids import format_ids
 from pipeline.config.launcher import LauncherConfig, check_launcher
 from pipeline.config.model import ModelConfig
+from pipeline.config.recipes import resolve_config
 from pipeline.config.reward_model import RewardModelConfig
 from pipeline.config.run import RunConfig
 from pipeline.config.task import TaskConfig
 from pipeline.config.teacher import TeacherConfig
-from pipeline.config.trainer import RECIPES, TrainerConfig
+from pipeline.config.trainer import TrainerConfig
 from pipeline.config.weight_sync import WeightSyncConfig
 
 
@@ -44,7 +45,7 @@ class Config:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     def __post_init__(self) -> None:
-        self._resolve_recipe()
+        resolve_config(self)  # the recipe parts that span sections: pipeline/config/recipes.py
         check(self.trainer.device != "cuda" or self.generator.engine == "vllm", "generator.engine",
               self.generator.engine, "'vllm' when trainer.device='cuda'")
         g = self.generator
@@ -127,22 +128,6 @@ class Config:
                 both = tg & set(id_set(key, spec, "GPU"))
                 check(r.allow_shared_devices or not both, "teacher.devices", tc.devices,
                       f"a GPU not in {key}={spec!r}, or run.allow_shared_devices=true")
-
-    def _resolve_recipe(self) -> None:
-        """The loss recipe's parts outside trainer.*: buffer.normalize_std and buffer.zero_signal (dapo's
-        dynamic sampling, with group_size > 1) unless set, and dapo's overlong_buffer (a fifth of
-        generator.max_new_tokens, as DAPO's 4,096 of 20,480)."""
-        t, b = self.trainer, self.buffer
-        preset = RECIPES[t.recipe]
-        if not getattr(b, "std_explicit", True):
-            b.normalize_std = preset.get("normalize_std", True)
-        if not getattr(b, "zero_signal_explicit", True) and b.group_size > 1:
-            b.zero_signal = preset.get("zero_signal", b.zero_signal)
-        if t.overlong_buffer is None:
-            t.overlong_buffer = max(1, self.generator.max_new_tokens // 5)
-        check(t.overlong_buffer < self.generator.max_new_tokens or t.overlong_buffer == 0, "trainer.overlong_buffer",
-              t.overlong_buffer, f"below generator.max_new_tokens={self.generator.max_new_tokens} (the penalty "
-              "ramps over the budget's last overlong_buffer tokens), or 0 (off)")
 
 
 def sync_mode_config(cfg: Config) -> Config:
