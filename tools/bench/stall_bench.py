@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tools.bench.stall_bench --sizes tiny,100m --reps 5     # ~3 min
     .venv/bin/python -m tools.bench.stall_bench --sizes qwen3-0.6b --reps 3    # ~5 min; ~6 GB RAM
-    .venv/bin/python -m tools.bench.stall_bench --plot docs/shadow_stall.png   # no run: table + plot of --out
+    .venv/bin/python -m tools.bench.stall_bench --plot docs/results/img/shadow_stall.png   # no run: table + plot of --out
 
 One vLLM engine per size (CPU, enforce_eager, prefix caching off, as a generator with
 on_update=keep builds it) with 4 long requests decoding; per rep a version is pushed over shm and

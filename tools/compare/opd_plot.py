@@ -1,6 +1,6 @@
 """Held-out accuracy of runs against trained samples, wall-clock and generated tokens, on one figure.
 
-    python -m tools.compare.opd_plot --out docs/img/opd_additions.png --title "SmolLM2, additions" \\
+    python -m tools.compare.opd_plot --out docs/results/img/opd_additions.png --title "SmolLM2, additions" \\
         "GRPO=outputs/grpo_s11/metrics.jsonl" "OPD=outputs/opd_s11/metrics.jsonl,outputs/opd_s12/metrics.jsonl"
 
 Each argument is LABEL=METRICS[,METRICS...] (a run's metrics.jsonl, or a kept copy): several files

@@ -4,7 +4,7 @@ its first eval to its last eval within --budget-min minutes, the mean gain and i
 median seconds of each step phase (time/* keys) per run.
 
     python -m tools.compare.plot_learning_curve outputs/smollm2-seed1 outputs/smollm2-seed2 outputs/smollm2-seed3 \
-        --budget-min 30 --out docs/img/smollm2_add_curve.png
+        --budget-min 30 --out docs/results/img/smollm2_add_curve.png
 """
 
 from __future__ import annotations

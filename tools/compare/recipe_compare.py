@@ -75,7 +75,7 @@ def read_recorded(label: str, src: Path) -> dict:
     recipes.json of this tool whose entry for `label` holds exactly one run. That entry's figures
     become the rows `summarise` reads: one eval row per eval step, and three training rows holding its
     last-three-step means, so the summary of the stand-in is the summary of the run."""
-    metrics = src / "metrics.jsonl" if src.is_dir() else src  # or a run's metrics kept on their own (docs/data)
+    metrics = src / "metrics.jsonl" if src.is_dir() else src  # or a run's metrics kept on their own (docs/results/data)
     if src.is_dir() and not metrics.exists():
         raise ValueError(f"{src} has no metrics.jsonl")
     if metrics.suffix == ".jsonl" and metrics.is_file():

@@ -3,7 +3,7 @@ normalised input times the weight, rounded once) and HF's/vLLM's (rounded to bf1
 weight; pipeline/models/norm.py, what the trainer computes).
 
     python -m tools.compare.rmsnorm_order [--seeds 0 1 2] [--layers 4] [--tokens 2x128] \\
-        [--out docs/data/audit-rmsnorm.json]
+        [--out docs/results/data/audit-rmsnorm.json]
 
 Per seed: a random Qwen3 of Qwen3-0.6B's widths (1024 wide, head_dim 128, q/k norms, the 151,936-row
 vocabulary, tied) with `--layers` layers, weights N(0, 0.02) and norm weights 1 + 0.2·N(0, 1) (with every
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", default="2x128", help="rows x length of the random token batch")
-    ap.add_argument("--out", default="docs/data/audit-rmsnorm.json")
+    ap.add_argument("--out", default="docs/results/data/audit-rmsnorm.json")
     args = ap.parse_args()
     rows, length = (int(v) for v in args.tokens.split("x"))
     torch.set_grad_enabled(False)

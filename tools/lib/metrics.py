@@ -27,7 +27,7 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def run_rows(src: str | Path) -> list[dict]:
-    """A run directory's metrics.jsonl, or a metrics .jsonl file kept on its own (docs/data)."""
+    """A run directory's metrics.jsonl, or a metrics .jsonl file kept on its own (docs/results/data)."""
     src = Path(src)
     path = src / "metrics.jsonl" if src.is_dir() else src
     if not path.is_file():

@@ -4,7 +4,7 @@
     flock /tmp/rl-heavy.lock python -m tools.bench.pipeline_bench --repeats 3 --steps 12 --out bench_out/val3/e3_s2 \
         trainer.epochs=3 buffer.max_staleness=2
     python -m tools.plan validate bench_out/val3 --costs tools/plan/data/costs_here.json \
-        --record tools/plan/data/validation.json --plot docs/img/planner_validation.png
+        --record tools/plan/data/validation.json --plot docs/results/img/planner_validation.png
 
 Every directory under RUNS holding a pipeline_bench output (sync0/, async0/, ..., and more
 repeats in subdirectories, e.g. rep2/sync0/) is one configuration; it is simulated from the cost

@@ -2,7 +2,7 @@
 while it trains, then a checkpoint taken while 2 generators ran is resumed into 1 generator.
 
     python -m tools.probe.elastic_run --out outputs/elastic                # ~6-10 min on 2 shared cores
-    python -m tools.probe.elastic_run --report docs/data/elastic/elastic.json   # the results page's tables again
+    python -m tools.probe.elastic_run --report docs/results/data/elastic/elastic.json   # the results page's tables again
 
 Run A (configs/tiny.yaml, weight_sync.verify=every, every trained sample logged, a checkpoint every
 --checkpoint-every steps): at step --grow-at `generators=2`; --shrink-after steps after the join,
@@ -156,7 +156,7 @@ def report(res: dict) -> tuple[str, bool]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="outputs/elastic")
-    ap.add_argument("--data", default="docs/data/elastic/elastic.json")
+    ap.add_argument("--data", default="docs/results/data/elastic/elastic.json")
     ap.add_argument("--report", default=None, help="print the tables of a --data file and exit")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--grow-at", type=int, default=10)
