@@ -89,7 +89,7 @@ class TrainerActor(Actor):
         store = dist.TCPStore(addr, port, is_master=rank == 0, timeout=timeout, use_libuv=True,
                               master_listen_fd=self.listener.fileno() if rank == 0 else None)
         dist.init_process_group(tcfg.backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        self.core = TrainCore(self.cfg, rank, world)
+        self.core = TrainCore.from_config(self.cfg, rank, world)
         return {"rank": rank, "world": world, "host": host, "pid": os.getpid(), "version": self.core.version,
                 "placement": placement}
 
