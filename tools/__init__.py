@@ -8,4 +8,5 @@
     lib/      what the tools share (launching the CLI, reading metrics.jsonl, tables and plots);
               no tool imports another tool
     slurm_standin/  executables put on PATH as a stand-in Slurm (tests/test_cluster.py)
+    report.py `python -m tools.report`: the results book (docs/results) rebuilt from its data files
 """

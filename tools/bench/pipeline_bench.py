@@ -34,7 +34,7 @@ from pathlib import Path
 from pipeline.config import load_config
 from tools.lib.cli import check_cli, disjoint_cores
 from tools.lib.metrics import read_rows, read_summary
-from tools.lib.report import pyplot, save
+from tools.lib.report import plot_modes
 
 
 def measure(mode: str, args, out: Path, rep: int) -> dict:
@@ -86,21 +86,6 @@ def summarise(runs: list[dict]) -> dict:
     """Median, min and max of every KEYS metric over a mode's repeats."""
     return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
                 "max": max(r[k] for r in runs)} for k in KEYS} | {"mode": runs[0]["mode"], "repeats": len(runs)}
-
-
-def plot(summaries: list[dict], runs: dict[str, list[dict]], path: Path, title: str) -> None:
-    """Per metric: the median bar per mode, with every repeat as a dot."""
-    panels = [("samples_per_s", "trained samples / s"), ("tokens_per_s", "trained tokens / s"),
-              ("trainer_idle_frac", "trainer idle fraction"), ("generator_idle_frac", "generator idle fraction")]
-    fig, axes = pyplot().subplots(1, len(panels), figsize=(15, 3.5))
-    modes = [m["mode"] for m in summaries]
-    for ax, (key, title) in zip(axes, panels):
-        ax.bar(modes, [m[key]["median"] for m in summaries], color=["tab:gray", "tab:blue"][: len(modes)], alpha=0.7)
-        for x, mode in enumerate(modes):
-            ax.plot([x] * len(runs[mode]), [r[key] for r in runs[mode]], "k.", ms=6)
-        ax.set_title(title)
-    fig.suptitle(f"async vs sync, {title} (bars: median; dots: repeats)")
-    save(fig, path, dpi=90)
 
 
 def main() -> int:
@@ -169,7 +154,7 @@ def main() -> int:
           f"tokens/s speedup target >= 1.6x")
     (out / "results.json").write_text(json.dumps({"placement": args.placement, "runs": runs, "summary": summaries,
                                                    "speedup": speedup}, indent=2))
-    plot(summaries, runs, out / "pipeline_bench.png",
+    plot_modes(summaries, runs, out / "pipeline_bench.png",
          "long-tail response lengths" if args.workload == "longtail" else f"{Path(args.config).stem}'s own task")
     print(f"wrote {out / 'results.json'} and {out / 'pipeline_bench.png'}")
     return 0

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tools.lib.metrics import EVALS, read_rows
 from tools.lib.report import markdown_table
+from tools.lib.views import MINIBATCH_HEADER, minibatch_rows
 
 CLIPS = ("clip_frac", "clip_low_frac", "clip_high_frac", "seq_clip_frac", "seq_ratio_mean", "seq_ratio_std",
          "cispo_clip_frac", "overlong_filtered_frac", "is_clip_frac", "dual_clip_frac")
@@ -70,51 +71,6 @@ def read_run(d: Path) -> dict:
     return run
 
 
-def _agg(vals: list[float | None], spec: str | None = None) -> str:
-    """The mean over the runs, with (min..max) when there is more than one."""
-    ok = [v for v in vals if v is not None]
-    if not ok:
-        return "-"
-    m = sum(ok) / len(ok)
-    if spec is None:
-        spec = ".3f" if max(abs(v) for v in ok) >= 0.01 or m == 0 else ".2g"
-    fmt = lambda x: format(x, spec)  # noqa: E731
-    return fmt(m) if len(ok) == 1 else f"{fmt(m)} ({fmt(min(ok))}..{fmt(max(ok))})"
-
-
-def summary_rows(runs: dict[str, dict[int, dict]]) -> list[list[str]]:
-    """One row a recipe: the mean over its finished seeds, (min..max) with more than one. A run in
-    flight, a failed one and one that never trained are left out (per_step lists them)."""
-    rows = []
-    for recipe, by_seed in runs.items():
-        done = sorted(s for s in by_seed if by_seed[s]["finished"] and by_seed[s]["rc"] in (0, None)
-                      and by_seed[s]["steps"])
-        rs = [by_seed[s] for s in done]
-        if not rs:
-            continue
-        spec = []
-        for k in ("seq_clip_frac", "seq_ratio_std", "cispo_clip_frac", "overlong_filtered_frac"):
-            vals = [r["mean"].get(k) for r in rs]
-            if any(v is not None for v in vals) and (k != "overlong_filtered_frac" or any(vals)):
-                spec.append(f"`{k}` {_agg(vals)}")
-
-        def acc(name: str) -> str:
-            first = [r["evals"].get(0, {}).get(name) for r in rs]
-            last = [r["evals"][max(r["evals"])].get(name) if r["evals"] else None for r in rs]
-            return f"{_agg(first)} → {_agg(last)}"
-
-        wall = [r["wall_s"] / 60 if r["wall_s"] else None for r in rs]
-        rows.append([recipe, ",".join(str(s) for s in done), *(_agg([r["mean"].get(c) for r in rs]) for c in COLS),
-                     "; ".join(spec) or "-", acc("greedy"), acc("sampled"),
-                     _agg([r["zero_signal_dropped"] for r in rs], ".1f"), _agg(wall, ".1f")])
-    return rows
-
-
-COLS = ("clip_frac", "clip_low_frac", "clip_high_frac")
-HEADER = ["recipe", "seeds", *COLS, "recipe-specific", "greedy acc, step 0 → last", "sampled acc, step 0 → last",
-          "flat groups dropped", "wall min"]
-
-
 def per_step(runs: dict[str, dict[int, dict]]) -> str:
     out = []
     for recipe, by_seed in runs.items():
@@ -141,13 +97,13 @@ def main(argv: list[str] | None = None) -> None:
             runs.setdefault(m.group("recipe"), {})[int(m.group("seed"))] = read_run(d)
     order = {"dapo": 0, "gspo": 1, "cispo": 2}
     runs = dict(sorted(runs.items(), key=lambda kv: (order.get(kv[0], 9), kv[0])))
-    rows = summary_rows(runs)
-    print(markdown_table(HEADER, rows, align="--:::---::"))
+    rows = minibatch_rows(runs)
+    print(markdown_table(MINIBATCH_HEADER, rows, align="--:::---::"))
     print()
     print(per_step(runs))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"table": [dict(zip(HEADER, r)) for r in rows],
+        Path(a.json).write_text(json.dumps({"table": [dict(zip(MINIBATCH_HEADER, r)) for r in rows],
                                             "runs": {r: {str(s): v for s, v in bs.items()} for r, bs in runs.items()}},
                                            indent=1) + "\n")
 

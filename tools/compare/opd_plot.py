@@ -14,28 +14,8 @@ sampled accuracy (`eval/reward`) against each. A table of the same points is pri
 from __future__ import annotations
 
 import argparse
-from tools.lib.metrics import read_rows
-from tools.lib.report import pyplot, save
-
-
-def curve(path: str) -> list[dict]:
-    """The eval points of one run: step, samples, seconds, generated tokens, greedy, sampled, entropy."""
-    rows = read_rows(path)
-    samples = tokens = 0.0
-    wasted = 0.0
-    entropy = float("nan")
-    out = []
-    for r in rows:
-        if "samples" in r and "loss" in r:
-            samples += r["samples"]
-            tokens += r.get("batch/tokens", 0.0)
-            wasted = r.get("buffer/wasted_tokens", wasted)
-            entropy = r.get("entropy", entropy)
-        if "eval/reward_greedy" in r:
-            out.append({"step": r.get("step", 0), "samples": samples, "seconds": r.get("time_s", 0.0),
-                        "gen_tokens": tokens + wasted, "greedy": r["eval/reward_greedy"],
-                        "sampled": r.get("eval/reward", float("nan")), "entropy": entropy})
-    return out
+from tools.lib.metrics import eval_points, read_rows
+from tools.lib.report import plot_accuracy
 
 
 def main() -> None:
@@ -44,32 +24,15 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="the PNG to write")
     ap.add_argument("--title", default="")
     a = ap.parse_args()
-    xs = (("samples", "trained samples"), ("seconds", "wall-clock s"), ("gen_tokens", "generated tokens"))
-    fig, axes = pyplot().subplots(2, 3, figsize=(15, 8), squeeze=False)
-    for k, spec in enumerate(a.runs):
+    runs = {}
+    for spec in a.runs:
         label, _, files = spec.partition("=")
-        curves = [curve(f) for f in files.split(",")]
-        color = f"C{k}"
+        runs[label] = curves = [eval_points(read_rows(f)) for f in files.split(",")]
         for c in curves:
             print(f"{label:24s} " + "  ".join(f"step {p['step']:>2}: {p['samples']:>4.0f} samples {p['seconds']:>6.0f} s "
                                               f"{p['gen_tokens']:>7.0f} tok greedy {p['greedy']:.3f} sampled "
                                               f"{p['sampled']:.3f}" for p in c))
-        n = min(len(c) for c in curves)
-        for row, key in enumerate(("greedy", "sampled")):
-            for col, (x, xlabel) in enumerate(xs):
-                ax = axes[row][col]
-                for c in curves if len(curves) > 1 else []:
-                    ax.plot([p[x] for p in c], [p[key] for p in c], color=color, alpha=0.25, lw=1)
-                mx = [sum(c[i][x] for c in curves) / len(curves) for i in range(n)]
-                my = [sum(c[i][key] for c in curves) / len(curves) for i in range(n)]
-                ax.plot(mx, my, "o-", color=color, label=f"{label} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
-                ax.set_xlabel(xlabel)
-                ax.set_ylabel(f"held-out {key} accuracy")
-                ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    if a.title:
-        fig.suptitle(a.title)
-    save(fig, a.out, dpi=110)
+    plot_accuracy(runs, a.out, a.title)
     print(f"wrote {a.out}")
 
 

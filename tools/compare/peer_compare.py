@@ -71,10 +71,9 @@ from pipeline.tasks import load_task
 from tools.compare.peer_trl import HFEval, check_task, require_trl, run_trl, trl_settings
 from tools.lib.cli import run_to_dir
 from tools.lib.metrics import EVALS, read_rows
-from tools.lib.report import pyplot, save
+from tools.lib.peer import (LABELS, PROJECT_SIDES, SIDES, by_step, clock_at, common_steps, plot, runs_of,
+                            samples_at, tasks_of)
 
-SIDES = ("project", "trl", "project_fresh", "recorded")
-PROJECT_SIDES = ("project", "project_fresh", "recorded")
 METRICS = EVALS
 """(name, key) of the held-out metrics reported: greedy, sampled, pass@k (tools.lib.metrics.EVALS)."""
 KEEP = ("step", "time_s", "samples", "eval/reward", "eval/reward_greedy", "eval/pass@k", "eval/mean@k", "eval_s",
@@ -203,8 +202,6 @@ def trl_side(args, task: str, seed: int, run_dir: Path) -> dict:
 
 
 RUNNERS = {"project": project_side, "trl": trl_side, "project_fresh": project_side}
-LABELS = {"project": "this project (sync)", "project_fresh": "this project (sync), fresh AdamW",
-          "trl": "TRL GRPOTrainer", "recorded": "this project (recorded CLI runs)"}
 
 
 def read_recorded(dirs: list[str], steps: int, batch: int, hf: tuple | None = None) -> dict[str, dict]:
@@ -245,32 +242,6 @@ def read_recorded(dirs: list[str], steps: int, batch: int, hf: tuple | None = No
     return out
 
 
-def by_step(entry: dict, key: str = "eval/reward") -> dict[int, dict]:
-    """A run's eval rows (those with `key`) by step."""
-    return {r["step"]: r for r in entry["rows"] if key in r}
-
-
-def common_steps(entries: list[dict]) -> list[int]:
-    """The eval steps every one of `entries` has."""
-    sets = [set(by_step(e)) for e in entries]
-    return sorted(set.intersection(*sets)) if sets else []
-
-
-def samples_at(entry: dict, step: int) -> float:
-    """Samples a run had trained by `step`: the sum of its rows' `samples` (the project logs each step's),
-    else its trained samples pro rata (TRL trains a fixed batch per step)."""
-    per = [r["samples"] for r in entry["rows"] if "samples" in r and 0 < r["step"] <= step]
-    if per:
-        return float(sum(per))
-    last = max((r["step"] for r in entry["rows"]), default=0)
-    return entry["trained_samples"] * step / last if last else 0.0
-
-
-def clock_at(entry: dict, step: int) -> float | None:
-    """Seconds from the run's time origin to the end of its eval at `step` (module docstring)."""
-    return by_step(entry).get(step, {}).get("time_s")
-
-
 def spread(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else float("nan")
 
@@ -292,14 +263,6 @@ def side_stats(entries: list[dict], metric: str, step: int) -> dict:
             statistics.mean(e["wall_s"] for e in entries),
             "hf": [statistics.mean(e[k][metric] for e in entries) for k in ("hf_start", "hf_final")]
             if all("hf_final" in e and metric in e["hf_final"] for e in entries) else None}
-
-
-def runs_of(res: dict, task: str, side: str) -> list[dict]:
-    return [e for k, e in sorted(res["runs"].items()) if k.split("/")[0] == task and k.split("/")[2] == side]
-
-
-def tasks_of(res: dict) -> list[str]:
-    return sorted({k.split("/")[0] for k in res["runs"]})
 
 
 def summary(res: dict) -> list[dict]:
@@ -432,29 +395,6 @@ def settings_table(settings: list[dict]) -> str:
     lines = ["| setting | this project | TRL | verdict |", "|---|---|---|---|"]
     lines += [f"| {s['setting']} | {s['project']} | {s['trl']} | {s['verdict']} |" for s in settings]
     return "\n".join(lines)
-
-
-def plot(res: dict, path: Path) -> None:
-    tasks = tasks_of(res)
-    panels = [*METRICS, ("wall-clock (s)", "time_s")]
-    fig, axes = pyplot().subplots(len(tasks), len(panels), figsize=(4.2 * len(panels), 3.4 * len(tasks)), squeeze=False)
-    for row, task in zip(axes, tasks):
-        for ax, (label, key) in zip(row, panels):
-            for side, color in zip(SIDES, ("tab:blue", "tab:orange", "tab:green", "tab:purple")):
-                runs = runs_of(res, task, side)
-                steps = [s for s in common_steps(runs) if all(key in by_step(e)[s] for e in runs)]
-                if not steps:
-                    continue
-                xs = [statistics.mean(samples_at(e, s) for e in runs) for s in steps]
-                ys = [[by_step(e)[s][key] for e in runs] for s in steps]
-                ax.plot(xs, [statistics.mean(y) for y in ys], color=color, marker="o", ms=3,
-                        label=f"{LABELS[side]}, {len(runs)} seeds")
-                ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=color, alpha=0.2)
-            ax.set_title(f"{task.rsplit('.', 1)[-1]}: " + (label if key == "time_s" else f"held-out {label}"),
-                         fontsize=9)
-            ax.set_xlabel("trained samples", fontsize=8)
-            ax.legend(fontsize=7)
-    save(fig, path, dpi=80)
 
 
 def report(out: Path, res: dict) -> int:

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 from tools.lib.metrics import read_rows, step_rows
-from tools.lib.report import pyplot, save
+from tools.lib.report import plot_learning_curves
 
 
 def gains(ev: list[dict], budget_s: float) -> dict | None:
@@ -67,25 +67,8 @@ def main() -> None:
     print(f"gain within {a.budget_min:g} min, over {len(runs)} run(s): greedy {spread(per['greedy'])}; "
           f"sampled {spread(per['sampled'])}")
 
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (d, rs) in enumerate(runs):
-        ev = [r for r in rs if "eval/reward_greedy" in r]
-        c = colors[i % len(colors)]
-        for ax, x in ((axes[0], [r["time_s"] / 60 for r in ev]), (axes[1], [r["step"] for r in ev])):
-            ax.plot(x, [r["eval/reward_greedy"] for r in ev], "o-", color=c, label=f"{d.name}: greedy")
-            ax.plot(x, [r["eval/reward"] for r in ev], "s--", color=c, alpha=0.7, label=f"{d.name}: sampled")
-    axes[0].axvline(a.budget_min, color="grey", lw=0.8, ls=":")
-    axes[0].set_xlabel("wall time (minutes since the run started)")
-    axes[1].set_xlabel("step")
-    axes[0].set_ylabel("held-out accuracy")
-    for ax in axes:
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-    axes[1].legend(loc="upper left", fontsize=7)
-    fig.suptitle(a.title, fontsize=9)
-    save(fig, a.out, dpi=110)
+    plot_learning_curves({d.name: [r for r in rs if "eval/reward_greedy" in r] for d, rs in runs}, a.out,
+                         a.budget_min, a.title)
     print(a.out)
 
 

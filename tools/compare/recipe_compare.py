@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tools.lib.cli import run_to_dir
 from tools.lib.metrics import EVALS, read_rows
-from tools.lib.report import publish, pyplot, save
+from tools.lib.report import plot_recipes, publish
 
 CONFIG = "configs/smollm2-135m-add.yaml"
 NEEDS = {"gspo": ["trainer.correction=geo_is"], "dapo": ["buffer.zero_signal=drop"]}
@@ -126,25 +126,6 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    fig, axes = pyplot().subplots(1, 2, figsize=(11, 3.8))
-    for ax, name in zip(axes, ("greedy", "sampled")):
-        for r in results:
-            if "curve" not in r:
-                continue
-            per = r.get("samples_per_step") or 1
-            pts = r["curve"][name]
-            xs = [s * per for s, _ in pts]
-            line, = ax.plot(xs, [d["mean"] for _, d in pts], marker="o", label=f"{r['recipe']} ({r['ok']} seed(s))")
-            if r["ok"] > 1:
-                ax.fill_between(xs, [d["min"] for _, d in pts], [d["max"] for _, d in pts], alpha=0.15,
-                                color=line.get_color())
-        ax.set_title(f"held-out accuracy, {name} (mean; band: min..max over seeds)", fontsize=9)
-        ax.set_xlabel("trained samples", fontsize=8)
-        ax.legend(fontsize=7)
-    save(fig, path, dpi=80)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=CONFIG)
@@ -189,7 +170,7 @@ def main() -> int:
         else:
             print(f"[recipe_compare {recipe}]   no finished run (exit codes {r['exit_codes']})", flush=True)
     publish(out, "recipes", table(results), results, "recipe_compare", drop=())
-    plot(results, out / "recipes.png")
+    plot_recipes(results, out / "recipes.png")
     return 0 if all("curve" in r for r in results) else 1
 
 

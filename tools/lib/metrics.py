@@ -2,6 +2,7 @@
 
     rows = run_rows(run_dir)                  # or a kept metrics .jsonl file
     steps, evals = step_rows(rows), eval_rows(rows)
+    points = eval_points(rows)                # per eval: trained samples, seconds, generated tokens, accuracy
 
 A training step's row carries "reward/mean" (and "version/trainer"); an evaluation's carries
 "eval/reward". Rows keep the CLI's keys (pipeline/driver/metrics.py writes them).
@@ -55,3 +56,25 @@ def series(rows: list[dict], key: str) -> tuple[list, list]:
     """(steps, values) of the rows with a number under `key`."""
     pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
+
+
+def eval_points(rows: list[dict]) -> list[dict]:
+    """The eval points of one run: step, trained samples (the sum of `samples` of the steps so far),
+    seconds (`time_s`), generated tokens (the sum of `batch/tokens` of the trained batches plus
+    `buffer/wasted_tokens`, the tokens of groups dropped as stale or without a reward spread), greedy
+    and sampled accuracy, and the last step's entropy."""
+    samples = tokens = wasted = 0.0
+    entropy = float("nan")
+    out = []
+    for r in rows:
+        if "samples" in r and "loss" in r:
+            samples += r["samples"]
+            tokens += r.get("batch/tokens", 0.0)
+            wasted = r.get("buffer/wasted_tokens", wasted)
+            entropy = r.get("entropy", entropy)
+        if "eval/reward_greedy" in r:
+            out.append({"step": r.get("step", 0), "samples": samples, "seconds": r.get("time_s", 0.0),
+                        "gen_tokens": tokens + wasted, "greedy": r["eval/reward_greedy"],
+                        "sampled": r.get("eval/reward", float("nan")), "pass@k": r.get("eval/pass@k", float("nan")),
+                        "entropy": entropy})
+    return out

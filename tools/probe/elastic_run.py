@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tools.lib.cli import REPO, start_cli, wait_for
 from tools.lib.metrics import read_rows
+from tools.lib.report import markdown_table
+from tools.lib.views import ELASTIC_PHASE_HEADER, elastic_phase_rows
 
 G, B, ETA = 8, 8, 1
 
@@ -121,12 +123,7 @@ def report(res: dict) -> tuple[str, bool]:
     a = res["run_a"]
     added = next(e for e in a["events"] if e["kind"] == "added")
     removed = next(e for e in a["events"] if e["kind"] == "removed")
-    lines = ["| phase | steps | steps/s | trained tokens/s | generators' tokens/s | trainer idle | max staleness |",
-             "|---|---|---|---|---|---|---|"]
-    names = ("1 generator (before)", "1 generator, the 2nd's engine starting", "2 generators", "1 generator (after)")
-    for name, ph in zip(names, a["phases"]):
-        lines.append(f"| {name} | {ph['steps']} | {ph['steps_per_s']:.2f} | {ph['trained_tokens_per_s']:.0f} | "
-                     f"{ph['gen_tokens_per_s']:.0f} | {ph['trainer_idle']:.2f} | {ph['staleness_max']:.0f} |")
+    lines = markdown_table(ELASTIC_PHASE_HEADER, elastic_phase_rows(res)).splitlines()
     lines += ["", f"join: requested after step {a['grow']['asked_at_step']}, command returned after "
               f"{a['grow']['wall_s']:.1f} s (engine start included), generator{added['generator']} served version "
               f"{added['version']} (verified: {added['verified']}), its first tokens carried version "
