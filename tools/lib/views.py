@@ -551,3 +551,100 @@ VIEWS.update({
     "smollm2_seeds_v37": smollm2_seeds_v37, "smollm2_seeds_before": smollm2_seeds_before,
     "smollm2_phases_before": smollm2_phases_before,
 })
+
+
+# smollm2.md: this project against TRL (tools/compare/peer_compare.py's results.json)
+
+def _signed(x: float) -> str:
+    """+0.000 / −0.026 (a minus sign, as the pages print differences)."""
+    return f"+{x:.3f}" if x >= 0 else f"−{-x:.3f}"
+
+
+def _sd(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def _diff(a: list[float], b: list[float]) -> tuple[float, float]:
+    """The difference of the means and twice its standard error."""
+    return mean(a) - mean(b), 2 * (_sd(a) ** 2 / len(a) + _sd(b) ** 2 / len(b)) ** 0.5
+
+
+def _verdict(d: float, two_se: float) -> str:
+    """within 2 SE, at the line (within, by less than a tenth of it), or below / above."""
+    if abs(d) > two_se:
+        return "below" if d < 0 else "above"
+    return "at the line" if abs(d) > 0.9 * two_se else "within"
+
+
+def peer_final(folder: Path):
+    """At the last eval step both sides share: each held-out metric's mean ± std (min..max) per side,
+    the difference with 2 SE and its verdict; the project's exports by TRL's evaluator where the run
+    scored them (--hf-check); the wall-clock to that eval and its ratio."""
+    res = load_json(folder / "results.json")
+    (task,) = peer.tasks_of(res)
+    proj, trl = peer.runs_of(res, task, "recorded"), peer.runs_of(res, task, "trl")
+    if not proj or not trl:
+        raise DataError(folder / "results.json", "needs recorded project runs and TRL runs")
+    step = peer.common_steps(proj + trl)[-1]
+    hf = all("hf_final" in e for e in proj)
+    cell = lambda xs: f"{mean(xs):.3f} ± {_sd(xs):.3f} ({min(xs):.3f}..{max(xs):.3f})"  # noqa: E731
+    rows = []
+    for name, key in (("greedy", "eval/reward_greedy"), ("sampled", "eval/reward"), ("pass@2", "eval/pass@k")):
+        p, t = ([peer.by_step(e)[step][key] for e in side] for side in (proj, trl))
+        d, se2 = _diff(p, t)
+        v = _verdict(d, se2)
+        diff = f"{_signed(d)} ({se2:.3f}): {v}"
+        row = [f"held-out {name}", cell(p), cell(t), diff if v == "within" else f"**{diff}**"]
+        if hf:
+            h = [e["hf_final"][key] for e in proj]
+            hd, hse2 = _diff(h, t)
+            row.append(f"{mean(h):.3f} ({min(h):.3f}..{max(h):.3f})" +
+                       ("" if v == "within" else f": {_signed(hd)} ({hse2:.3f}), {_verdict(hd, hse2)}"))
+        rows.append(row)
+    clock = [[peer.clock_at(e, step) for e in side] for side in (proj, trl)]
+    since = [mean(peer.clock_at(e, step) - peer.clock_at(e, 0) for e in side) for side in (proj, trl)]
+    wall = lambda xs: f"{mean(xs):.0f} ± {_sd(xs):.0f} s ({min(xs):.0f}..{max(xs):.0f})"  # noqa: E731
+    rows.append(["wall-clock to that eval", wall(clock[0]), wall(clock[1]),
+                 f"**{mean(clock[0]) / mean(clock[1]):.2f}x**; from the step-0 eval on {since[0]:.0f} / {since[1]:.0f} s"
+                 f" = **{since[0] / since[1]:.2f}x**", *([""] if hf else [])])
+    samples = statistics.mean(peer.samples_at(e, step) for e in proj)
+    header = [f"at step {step} ({samples:.0f} samples)", "this project, mean ± std (min..max)", "TRL GRPOTrainer",
+              "project − TRL (2·SE)", *(["the project's exports by TRL's HF evaluator"] if hf else [])]
+    return header, rows
+
+
+VIEWS["peer_final"] = peer_final
+
+
+# smollm2.md: the loss recipes (tools/compare/recipe_compare.py's recipes.json)
+
+RECIPE_LABELS = {"none": "`none` = `cispo`"}  # the default loss is CISPO's on this config (smollm2.md says why)
+
+
+def recipes(path: Path):
+    """Per recipe: held-out greedy, sampled and pass@2 from step 0 to the last eval (mean over seeds, end
+    with its min..max; the best greedy mean in bold), response length and entropy over the last three
+    steps, DAPO's filtered share, each run's wall-clock on this tree (recorded: read from earlier runs)."""
+    results = [r for r in load_json(path) if "curve" in r]
+    best = max(r["curve"]["greedy"][-1][1]["mean"] for r in results)
+    rng = lambda d, f=".3f": f"{d['mean']:{f}} ({d['min']:{f}}..{d['max']:{f}})"  # noqa: E731
+    rows = []
+    for r in results:
+        c, e = r["curve"], r["end"]
+
+        def acc(name: str, bold: bool = False) -> str:
+            start, end = c[name][0][1], c[name][-1][1]
+            m = f"{end['mean']:.3f}"
+            return f"{start['mean']:.3f} → {f'**{m}**' if bold else m} ({end['min']:.3f}..{end['max']:.3f})"
+
+        filtered = e.get("overlong_filtered_frac")
+        rows.append([RECIPE_LABELS.get(r["recipe"], f"`{r['recipe']}`"), acc("greedy", c["greedy"][-1][1]["mean"] == best),
+                     acc("sampled"), acc("pass@k"), rng(e["response/length_mean"], ".1f"), rng(e["entropy"]),
+                     rng(filtered) if filtered and filtered["max"] > 0 else "–",
+                     f"{', '.join(f'{w:.0f}' for w in r['wall_s'])} s" if r["wall_s"] else "recorded"])
+    last = results[0]["curve"]["greedy"][-1][0]
+    return ["recipe", f"held-out greedy, step 0 → {last}", "sampled (T=0.7)", "pass@2", "response length", "entropy",
+            "DAPO's filtered share", "wall, this tree"], rows
+
+
+VIEWS["recipes"] = recipes
