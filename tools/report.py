@@ -14,7 +14,8 @@ A table sits between two markers, its rows rendered from the data file (the path
 
 The file is a CSV (the header first, each cell as the page shows it), or a JSON file {"columns": [...],
 "rows": [[...]]}; with `view=NAME` it is the raw data a tool wrote (a file or a folder), which
-tools.lib.views.NAME turns into the table, computing every figure. `align` gives a character a column,
+tools.lib.views.NAME turns into the table, computing every figure. A path starting with / is from the
+repository's root: a data file a tool keeps as its own input (the planner's records in tools/plan/data). `align` gives a character a column,
 "-" left and ":" right (all left without it); the table takes the marker's indentation.
 
 A plot is an image under img/ that a page links or names (docs/results/img/NAME.png). data/plots.json
@@ -42,7 +43,8 @@ from pathlib import Path
 from tools.lib.report import markdown_table, png_text
 from tools.lib.views import PLOTS, VIEWS, DataError
 
-ROOT = Path(__file__).resolve().parents[1] / "docs" / "results"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "docs" / "results"
 START = re.compile(r"^(?P<indent>[ \t]*)<!-- table: (?P<path>\S+)(?P<opts>(?:\s+[a-z]+=\S+)*)\s*-->\s*$")
 END = re.compile(r"^[ \t]*<!-- /table -->\s*$")
 IMAGE = re.compile(r"(?:docs/results/|(?<![\w/.-]))img/([\w.-]+\.png)")
@@ -82,7 +84,8 @@ def render(root: Path, page: Path, line: str) -> tuple[str, list[str]]:
     """A start marker's table: its name (the data path, and the view) and its lines."""
     m = START.match(line)
     opts = dict(o.split("=", 1) for o in m.group("opts").split())
-    path = (page.parent / m.group("path")).resolve()
+    rel = m.group("path")
+    path = (REPO / rel.lstrip("/") if rel.startswith("/") else page.parent / rel).resolve()
     try:
         header, rows = read_table(path, opts.get("view"))
     except (OSError, ValueError, KeyError, IndexError, TypeError, StopIteration) as e:  # a view reading malformed data

@@ -648,3 +648,39 @@ def recipes(path: Path):
 
 
 VIEWS["recipes"] = recipes
+
+
+# planner.md: `python -m tools.plan validate --record`'s file (tools/plan/data/validation*.json, which
+# tests/test_planner.py also reads): the real runs' medians and the simulator's predictions, per case
+
+PLANNER_HEADER = ["configuration", "runs sync / async", "async/sync real (range)", "predicted", "error",
+                  "trainer idle sync real (range) / pred", "async real (range) / pred", "dropped async real (range) / pred",
+                  "train s sync / async real / pred", "from the sync arm", "ratio within 10%", "all targets"]
+PLANNER_ALIGN = "-" + ":" * 9 + "--"
+
+
+def planner_rows(cases: list[dict]) -> list[list[str]]:
+    def rng(d: dict, k: str) -> str:
+        lo, hi = d[k + "_min"], d[k + "_max"]
+        return f"{d[k]:.2f}" + ("" if lo != lo else f" ({lo:.2f}..{hi:.2f})")  # NaN: not recorded
+
+    rows = []
+    for c in cases:
+        r, p = c["real"], c["predicted"]
+        lo, hi = c["ratio_real_spread"]
+        rows.append([c["name"], f"{r['sync']['repeats']} / {r['async']['repeats']}", f"{c['ratio_real']:.2f}x "
+                     f"({lo:.2f}..{hi:.2f})", f"{c['ratio_predicted']:.2f}x", f"{c['ratio_error']:+.0%}",
+                     f"{rng(r['sync'], 'trainer_idle_frac')} / {p['sync']['trainer_idle_frac']:.2f}",
+                     f"{rng(r['async'], 'trainer_idle_frac')} / {p['async']['trainer_idle_frac']:.2f}",
+                     f"{rng(r['async'], 'dropped_frac')} / {p['async']['dropped_frac']:.2f}",
+                     f"{r['sync']['train_s']:.3f} / {p['sync']['train_s']:.3f}, {r['async']['train_s']:.3f} / "
+                     f"{p['async']['train_s']:.3f}", f"{c['ratio_from_sync_arm']:.2f}x ({c['ratio_error_from_sync_arm']:+.0%})",
+                     "yes" if c["ratio_within"] else "no", "yes" if c["within"] else "no"])
+    return rows
+
+
+def planner_validation(path: Path):
+    return PLANNER_HEADER, planner_rows(load_json(path)["cases"])
+
+
+VIEWS["planner_validation"] = planner_validation

@@ -33,6 +33,8 @@ from pipeline.config import load_config
 from pipeline.sim import load_costs, real_summary, simulate, workload_from_spec
 from pipeline.sim.pipeline import sim_config
 from pipeline.sim.report import plot_runs, real_rows
+from tools.lib.report import markdown_table
+from tools.lib.views import PLANNER_ALIGN, PLANNER_HEADER, planner_rows
 
 CASES = {
     "e1_s1_adaptive": ([], 96),
@@ -175,30 +177,6 @@ def resimulate(record: Path, costs_path: str, config: str = "configs/tiny.yaml")
     return cases
 
 
-def table(cases: list[dict]) -> str:
-    lines = ["| configuration | runs sync / async | async/sync real (range) | predicted | error "
-             "| trainer idle sync real (range) / pred | async real (range) / pred | dropped async real (range) / pred "
-             "| train s sync / async real / pred | from the sync arm | ratio within 10% | all targets |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-
-    def rng(d: dict, k: str) -> str:
-        lo, hi = d[k + "_min"], d[k + "_max"]
-        return f"{d[k]:.2f}" + ("" if lo != lo else f" ({lo:.2f}..{hi:.2f})")  # NaN: not recorded
-    for c in cases:
-        r, p = c["real"], c["predicted"]
-        lo, hi = c["ratio_real_spread"]
-        lines.append(f"| {c['name']} | {r['sync']['repeats']} / {r['async']['repeats']} | {c['ratio_real']:.2f}x "
-                     f"({lo:.2f}..{hi:.2f}) | {c['ratio_predicted']:.2f}x | {c['ratio_error']:+.0%} | "
-                     f"{rng(r['sync'], 'trainer_idle_frac')} / {p['sync']['trainer_idle_frac']:.2f} | "
-                     f"{rng(r['async'], 'trainer_idle_frac')} / {p['async']['trainer_idle_frac']:.2f} | "
-                     f"{rng(r['async'], 'dropped_frac')} / {p['async']['dropped_frac']:.2f} | "
-                     f"{r['sync']['train_s']:.3f} / {p['sync']['train_s']:.3f}, {r['async']['train_s']:.3f} / "
-                     f"{p['async']['train_s']:.3f} | {c['ratio_from_sync_arm']:.2f}x "
-                     f"({c['ratio_error_from_sync_arm']:+.0%}) | {'yes' if c['ratio_within'] else 'no'} | "
-                     f"{'yes' if c['within'] else 'no'} |")
-    return "\n".join(lines)
-
-
 def collect(runs: Path, config: str = "configs/tiny.yaml") -> dict[str, dict]:
     """Per case under `runs`: its (config, overrides, steps), its async run directories, and the sync
     ones of every case with the same sync configuration (pooled)."""
@@ -233,7 +211,7 @@ def validate(runs: Path, costs_path: str, record: str | None, plot: str | None, 
     if not cases:
         raise SystemExit(f"validate: no finished pipeline_bench runs (a directory with bench.json, or named one of "
                          f"{sorted(CASES)}) under {runs}")
-    print(table(cases))
+    print(markdown_table(PLANNER_HEADER, planner_rows(cases), PLANNER_ALIGN))
     for c in skipped:
         print(f"skipped {c['name']}: {c['skipped']}")
     left = {d["run"]: d for c in cases + skipped for d in c.get("disturbed", [])}  # pooled sync runs recur
