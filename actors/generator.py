@@ -34,10 +34,10 @@ import dataclasses
 import math
 import os
 
-from monarch.actor import Actor, concurrent_endpoint
+from monarch.actor import concurrent_endpoint
 
+from actors.base import PipelineActor
 from actors.endpoints import serial
-from pipeline import logs
 from pipeline.config import Config
 from pipeline.generator.core import GeneratorCore
 from pipeline.placement import Placement, apply, generator_placements
@@ -90,9 +90,9 @@ class MeshSource:
         return await self._call("release", self.mesh.release.call_one(group_id, self.lessee))
 
 
-class GeneratorActor(Actor):
+class GeneratorActor(PipelineActor):
     def __init__(self, cfg: Config, generator_id: int, incarnation: int = 0):
-        logs.configure(cfg.run.log_level)  # this proc, and (through VLLM_LOGGING_LEVEL) its engine's
+        super().__init__(cfg.run.log_level)  # this proc, and (through VLLM_LOGGING_LEVEL) its engine's
         self.cfg = cfg
         self.incarnation = incarnation  # how many times generator `generator_id` was restarted before this one
         self.core = GeneratorCore(cfg, generator_id)

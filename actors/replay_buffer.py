@@ -40,11 +40,12 @@ import asyncio
 import logging
 import time
 
-from monarch.actor import Actor, concurrent_endpoint, endpoint
+from monarch.actor import concurrent_endpoint, endpoint
 
+from actors.base import PipelineActor
 from actors.endpoints import reply_droppable
-from pipeline import logs
-from pipeline.buffer import ReplayBufferCore, overlong_shaping
+from pipeline.advantages import overlong_shaping
+from pipeline.buffer import ReplayBufferCore
 from pipeline.config import Config
 from pipeline.placement import apply, buffer_placement
 from pipeline.tasks import PromptStream, load_task
@@ -55,9 +56,9 @@ __all__ = ["ReplayBufferActor"]
 log = logging.getLogger(__name__)
 
 
-class ReplayBufferActor(Actor):
+class ReplayBufferActor(PipelineActor):
     def __init__(self, cfg: Config, pad_id: int):
-        logs.configure(cfg.run.log_level)
+        super().__init__(cfg.run.log_level)
         self.cfg = cfg
         task = load_task(cfg.task.name, cfg.task)
         self.core = ReplayBufferCore(cfg.buffer, pad_id, overlong_shaping(cfg, multi_turn=task.env is not None))

@@ -27,10 +27,10 @@ import os
 import time
 from collections import deque
 
-from monarch.actor import Actor, concurrent_endpoint, endpoint
+from monarch.actor import concurrent_endpoint, endpoint
 
+from actors.base import PipelineActor
 from actors.endpoints import reply_droppable
-from pipeline import logs
 from pipeline.config import Config
 from pipeline.placement import apply, reward_model_placement
 from pipeline.procs import me
@@ -40,11 +40,11 @@ __all__ = ["RewardModelActor"]
 log = logging.getLogger(__name__)
 
 
-class RewardModelActor(Actor):
+class RewardModelActor(PipelineActor):
     RESULT = "score"  # the key of a finished stream's result (TeacherActor: "logprobs")
 
     def __init__(self, cfg: Config, incarnation: int = 0):
-        logs.configure(cfg.run.log_level)
+        super().__init__(cfg.run.log_level)
         self.cfg, self.incarnation = cfg, incarnation
         self.scorer = None
         self._queue: deque[tuple] = deque()  # (op, seq, offset, tokens, future or None)

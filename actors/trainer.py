@@ -31,9 +31,9 @@ import socket
 from datetime import timedelta
 
 import torch
-from monarch.actor import Actor, concurrent_endpoint, current_rank, current_size, endpoint, this_host
+from monarch.actor import concurrent_endpoint, current_rank, current_size, endpoint, this_host
 
-from pipeline import logs
+from actors.base import PipelineActor
 from pipeline.config import Config, ConfigError, WeightSyncConfig
 from pipeline.placement import apply, describe, trainer_placement
 from pipeline.trainer.step import TrainCore
@@ -44,11 +44,11 @@ from pipeline.weightsync.transport import merge_handles
 log = logging.getLogger(__name__)
 
 
-class TrainerActor(Actor):
+class TrainerActor(PipelineActor):
     """One trainer rank. Endpoints read as the protocol; all logic lives in TrainCore."""
 
     def __init__(self, cfg: Config) -> None:
-        logs.configure(cfg.run.log_level)
+        super().__init__(cfg.run.log_level)
         self.cfg = cfg
         self.listener: socket.socket | None = None  # rank 0: the rendezvous store's socket
         self.core: TrainCore | None = None
