@@ -14,7 +14,7 @@ token comes from the previous chunk's last hidden state, so the numbers do not d
 sequence was chunked (attention is causal). Log-probs are of softmax(logits / temperature) in
 float32, the distribution the student sampled from and the learner scores (generator.temperature).
 The caller takes the completion's part (its tokens start after the teacher's prompt) and masks
-environment tokens (pipeline/generator/episode.py).
+environment tokens (pipeline/generator/scoring.py).
 
 `check_tokenizers` is the start-up check that the teacher reads the student's token ids: the same
 vocabulary, special ids and end-of-turn token; the first difference otherwise.

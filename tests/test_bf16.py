@@ -22,7 +22,8 @@ from pipeline.models.hf import build_model, export_hf, model_dir, token_logprobs
 from pipeline.tokens import load_tokenizer
 from pipeline.trainer.parallel import local, resharded
 from pipeline.trainer.snapshots import Proximal
-from pipeline.trainer.step import TrainCore, minibatch_plan
+from pipeline.trainer.batches import minibatch_plan
+from pipeline.trainer.step import TrainCore
 from pipeline.weightsync import WeightReceiver, WeightSender, load_into_vllm, vllm_engine_kwargs
 from pipeline.weightsync.segment import Segment
 from tests.test_trainer import gather

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.buffer import ReplayBufferCore, RolloutRejected, group_advantages
+from pipeline.advantages import group_advantages
+from pipeline.buffer import ReplayBufferCore, RolloutRejected
 from pipeline.config import BufferConfig
 from pipeline.types import PromptItem, Rollout
 
@@ -437,7 +438,7 @@ def test_multi_turn_overlong_shaping_counts_each_turn_against_its_own_budget():
     """L = 16 per turn, dapo's buffer 16 // 5 = 3, task.max_total_tokens = 64: one turn of 10 tokens and
     three turns of 10 both finished normally with reward 1. No turn came near its budget and the episode
     did not either, so neither is shaped and the group has no signal (not +0.707 / -0.707)."""
-    from pipeline.buffer import overlong_shaping
+    from pipeline.advantages import overlong_shaping
     from pipeline.config import Config, GeneratorConfig, TaskConfig, TrainerConfig
 
     c = Config(buffer=cfg(zero_signal="keep"), trainer=TrainerConfig(recipe="dapo"),
@@ -471,7 +472,7 @@ def test_multi_turn_overlong_shaping_counts_each_turn_against_its_own_budget():
 def test_multi_turn_batches_carry_the_rollout_budget_for_dr_grpo():
     """aggregation=constant divides by the most loss tokens a rollout may have: generator.max_new_tokens
     for single-turn rollouts, task.max_total_tokens for multi-turn ones (Batch.max_len)."""
-    from pipeline.buffer import overlong_shaping
+    from pipeline.advantages import overlong_shaping
     from pipeline.config import Config, TaskConfig
 
     c = Config(buffer=cfg(batch_groups=1), task=TaskConfig(name="pipeline.tasks.calc", max_total_tokens=64))

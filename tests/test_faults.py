@@ -28,7 +28,8 @@ from pipeline.generator.rewards import REJECT_MIN_SAMPLES, REJECT_WINDOW, Reward
 from pipeline.tasks import RewardRejected, Task, check_reward
 from pipeline.trainer.errors import (EmptyBatchError, NonFiniteLossError, NonFiniteWeightsError, TooManySkippedSteps,
                                      skipped_step_error)
-from pipeline.trainer.step import TrainCore, minibatch_rows
+from pipeline.trainer.batches import minibatch_rows
+from pipeline.trainer.step import TrainCore
 from pipeline.types import PromptItem, Rollout
 
 from .conftest import REPO

@@ -19,7 +19,8 @@ from pipeline.models.hf import read_hf_config, token_logprobs
 from pipeline.lora import lora_parameters
 from pipeline.models.tiny import ensure_tiny
 from pipeline.trainer.snapshots import Proximal
-from pipeline.trainer.step import TrainCore, minibatch_plan
+from pipeline.trainer.batches import minibatch_plan
+from pipeline.trainer.step import TrainCore
 
 from tests.conftest import REPO
 from tests.test_trainer_core import make_batch, mis_cfg, trainer_log_mixture, with_versions

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.buffer import overlong_penalty
+from pipeline.advantages import overlong_penalty
 from pipeline.config import ConfigError, TrainerConfig, load_config
 from pipeline.losses import is_weights, local_denominators, policy_loss
 

@@ -15,7 +15,8 @@ from pipeline.losses import policy_loss
 from pipeline.models.hf import token_logprobs
 from pipeline.trainer.errors import BadBatchError, NonFiniteLossError
 from pipeline.trainer.snapshots import Proximal
-from pipeline.trainer.step import TrainCore, minibatch_plan, minibatch_rows, spans
+from pipeline.trainer.batches import minibatch_plan, minibatch_rows, spans
+from pipeline.trainer.step import TrainCore
 from pipeline.types import Batch
 
 

@@ -5,6 +5,7 @@ the state machine and wires them; actors/generator.py adapts it to Monarch).
     engine.py         Engine (the vLLM AsyncLLM wrapper, LoRA adapters), Fault (the broken state)
     scheduler.py      StageScheduler: N' slots of a stage, carried partials first
     episode.py        Episodes: one trajectory's segments, environment turns, reward, reject or release
+    scoring.py        Scoring (a base of Episodes): the reward, the reward model's score, the teacher's log-probs
     gate.py           UpdateGate: keep / abort / drain updates, the epoch that decides resubmission
     trajectory.py     Trajectory, version spans, request checks (pure)
     rewards.py        RewardScorer, RolloutStats, the reject-rate rule (pure)

@@ -3,6 +3,7 @@
     engine.py     Engine      the vLLM AsyncLLM: start, bounded control calls, LoRA adapters, stop
     scheduler.py  StageScheduler   N' slots of a stage, carried partials first
     episode.py    Episodes    one trajectory: segments, environment turns, reward, reject or release
+    scoring.py    Scoring     Episodes' base: the reward, the reward model's score, the teacher's log-probs
     gate.py       UpdateGate  a weight update under keep / abort / drain; the epoch for resubmission
     engine.py     Fault       the broken state every role trips and every endpoint checks
 

@@ -7,8 +7,8 @@
 A model turn is one or more segments (vLLM requests): each passes the update gate first, and one
 that an update aborted is submitted again with prompt + tokens so far (UpdateGate.resend). With an
 environment (task.env, pipeline/generator/envs.py) turns alternate with observations until the
-environment ends the episode or a limit is reached. The reward is the task's reward() of the whole
-completion and/or the reward model's score of the whole token sequence, computed off the event loop.
+environment ends the episode or a limit is reached. The reward and the teacher's log-probs come
+from Scoring (scoring.py).
 
 Contract:
   * `generate` holds the trajectory's slot; `deliver` / `failed` run after the scheduler freed it, so
@@ -44,10 +44,11 @@ from pipeline.generator.engine import Engine, Fault
 from pipeline.generator.gate import UpdateGate
 from pipeline.generator.reward_client import RewardModelClient
 from pipeline.generator.rewards import RewardScorer, RolloutStats
+from pipeline.generator.scoring import Scoring
 from pipeline.generator.trajectory import (RequestError, Trajectory, WorkSource, check_prompt, check_request,
                                            spans_to_versions)
 from pipeline.generator.envs import env_scored, turn_rewards
-from pipeline.tasks import RewardRejected, check_reward, load_task
+from pipeline.tasks import RewardRejected, load_task
 from pipeline.tokens import ObservationFrame, PromptError, encode_completion, encode_prompt, observation_frame
 from pipeline.types import Prompt, PromptGroup
 
@@ -67,7 +68,7 @@ class Stage(Protocol):
     def saving(self) -> bool: ...
 
 
-class Episodes:
+class Episodes(Scoring):
     """See the module docstring. `task`, `cfg` and `rm` are read at each use."""
 
     def __init__(self, cfg: Config, generator_id: int, engine: Engine, gate: UpdateGate, stats: RolloutStats,
@@ -114,25 +115,6 @@ class Episodes:
         ids = self.prompt_tokens(group.item.prompt)
         tids = self.teacher_tokens(group.item, ids) if self.teacher is not None else ()
         return [Trajectory(group, i, ids, teacher_prompt=tids) for i in range(group.group_size)]
-
-    def teacher_tokens(self, item, ids: tuple[int, ...]) -> tuple[int, ...]:
-        """The teacher's prompt: the student's, with teacher.context filled in from the item's columns
-        (pipeline/teacher.py teacher_prompt); RequestError if a column is missing or it cannot be encoded."""
-        from pipeline.teacher import teacher_prompt
-
-        template = self.cfg.teacher.context
-        if not template:
-            return ids
-        try:
-            context = template.format(**item.fields())
-        except (KeyError, IndexError, ValueError) as e:
-            raise RequestError("teacher_context", f"teacher.context={template!r} cannot be filled from item "
-                               f"{item.uid} (columns: {', '.join(item.fields())}): {type(e).__name__}: {e}") from e
-        try:
-            return tuple(encode_prompt(self.engine.tok, teacher_prompt(item.prompt, context),
-                                       self.cfg.task.enable_thinking))
-        except Exception as e:
-            raise RequestError("prompt_not_tokenizable", f"the teacher's prompt: {type(e).__name__}: {e}") from e
 
     def dead(self, group_id: int) -> bool:
         return group_id in self._dead
@@ -324,39 +306,6 @@ class Episodes:
         else:
             self.fault.trip(RuntimeError(f"{traj.key}: generation failed: {type(err).__name__}: {err}"))
 
-    def transcript(self, traj: Trajectory) -> str:
-        """The completion as text for the reward: model turns and observations, special tokens (the
-        end of turn) and chat frames left out."""
-        return self.engine.tok.decode(traj.transcript_tokens(), skip_special_tokens=True)
-
-    async def reward(self, traj: Trajectory, completion: str) -> float:
-        """The task's reward(); with a reward model, reward_model.weight * its score of the whole
-        rollout + reward_model.task_weight * reward() (computed at once). RewardRejected if unusable."""
-        rc = self.cfg.reward_model
-        own = self.env_reward(traj) if env_scored(traj.env) else self.scorer.score(traj.group.item.prompt, completion)
-        if not rc.path:
-            return await own
-        parts = [self.rm.finish(traj.key, traj.context())]
-        if rc.task_weight:
-            parts.append(own)
-        else:
-            own.close()
-        res = await asyncio.gather(*parts, return_exceptions=True)
-        for r in res:
-            if isinstance(r, BaseException):
-                raise r
-        return rc.weight * res[0] + (rc.task_weight * res[1] if rc.task_weight else 0.0)
-
-    async def env_reward(self, traj: Trajectory) -> float:
-        """The episode's reward as its environment scored it (an Env with reward(), envs.py), checked."""
-        try:
-            value = traj.env.reward()
-        except RewardRejected:
-            raise
-        except Exception as e:
-            raise RewardRejected("reward_raised", f"the environment's reward(): {type(e).__name__}: {e}") from e
-        return check_reward(value)
-
     async def close_env(self, traj: Trajectory, calls: RewardScorer | None = None) -> None:
         """End a finished episode's environment (its close(), on a worker thread, bounded by
         task.env_timeout_s; a failure is logged, never the rollout's). Not for a carried-over one."""
@@ -367,26 +316,6 @@ class Episodes:
             await (calls or self.env_calls).call(env.close, kind="env")
         except Exception as e:
             log.warning("generator %d: closing the environment of %s failed: %s", self.gid, traj.key, e)
-
-    async def teacher_logprobs(self, traj: Trajectory, eos: float) -> tuple[float, ...]:
-        """The teacher's log-prob of each completion token (0 on environment tokens), from its stream
-        of teacher prompt + completion. RewardRejected (teacher_*) if it cannot give them."""
-        from pipeline.types import ENV_VERSION
-
-        r = await self.teacher.finish(traj.key, traj.teacher_context())
-        lps, top1 = r["logprobs"], r["top1"]
-        n, skip = len(traj.tokens), len(traj.teacher_prompt) - 1  # lps[i] is token i + 1's
-        if len(lps) != skip + n:
-            raise RewardRejected("teacher_failed", f"the teacher returned {len(lps)} log-probs for a sequence "
-                                 f"of {skip + n + 1} tokens")
-        own = [v != ENV_VERSION for v in traj.versions]
-        out = tuple(lp if m else 0.0 for lp, m in zip(lps[skip:], own))
-        c = self.teacher_counts
-        c["tokens"] += sum(own)
-        c["top1"] += sum(t for t, m in zip(top1[skip:], own) if m)
-        c["wait_s"] += time.monotonic() - eos
-        c["scored"] += 1
-        return out
 
     async def fail_group(self, group_id: int, err: RequestError, where: str, stage: Stage) -> None:
         """Count a bad request and give its group back to the buffer; the engine keeps serving."""

@@ -31,7 +31,8 @@ import math
 import random
 from itertools import count
 
-from pipeline.buffer import ReplayBufferCore, overlong_shaping
+from pipeline.advantages import overlong_shaping
+from pipeline.buffer import ReplayBufferCore
 from pipeline.config import Config, sync_mode_config
 from pipeline.sim.costs import Costs
 from pipeline.sim.generator import SimGenerator, SimSample

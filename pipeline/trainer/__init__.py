@@ -2,6 +2,8 @@
 
     step.py       TrainCore: the RL step (PPO minibatches, the loss), the SFT step, clip-and-step,
                   skipped steps; the counters a checkpoint carries
+    batches.py    minibatch_rows / minibatch_plan (a step's minibatches and micro-batches), spans,
+                  logprobs
     parallel.py   Parallel: the (fsdp, tp) mesh, the model built on it (float32 master, compute in
                   model.dtype), the TP-aware grad norm and clip, the metric all-reduces
     snapshots.py  Proximal (π_old of a batch), GradChunks (trainer.grad_variance), Snapshots

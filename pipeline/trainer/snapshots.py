@@ -41,7 +41,7 @@ from pipeline.config import TrainerConfig
 from pipeline.trainer.parallel import Parallel, local, resharded
 from pipeline.types import Batch
 
-Plan = list[tuple[torch.Tensor, list[tuple[torch.Tensor, float]]]]  # see step.minibatch_plan
+Plan = list[tuple[torch.Tensor, list[tuple[torch.Tensor, float]]]]  # see batches.minibatch_plan
 Score = Callable[[torch.Tensor], torch.Tensor]  # token ids [n, T] -> log-probs [n, T-1] of a model
 
 

@@ -4,7 +4,7 @@ loss, random advantages, and sampler log-probs either random or the learner's ow
 
 Example:
     batch = synthetic_batch(32, 128, 32, vocab, seed=0)                        # random sampler logprobs
-    score = lambda ids: step.logprobs(core.model, ids.to(core.device), core.temperature, core.chunk)[0]
+    score = lambda ids: batches.logprobs(core.model, ids.to(core.device), core.temperature, core.chunk)[0]
     batch = synthetic_batch(32, 128, 32, vocab, seed=0, score=score)          # on-policy: ratios near 1
     batch = ragged_batch(32, 58, [12, 96, 30, ...], vocab, seed=0)            # completions of these lengths, right-padded
 """

@@ -97,7 +97,7 @@ def _loss_step(model, opt, ids, chunk: int, saved: list | None = None) -> None:
     """One micro-batch as TrainCore._ppo_step runs it: forward, PPO-clip + TIS + entropy bonus, backward, AdamW."""
     from pipeline import losses
     from pipeline.config import TrainerConfig
-    from pipeline.trainer.step import logprobs
+    from pipeline.trainer.batches import logprobs
 
     cfg = TrainerConfig(correction="tis", entropy_coef=0.01)
     g = torch.Generator().manual_seed(0)

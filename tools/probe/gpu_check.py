@@ -175,7 +175,8 @@ def run(args) -> None:
 
     from pipeline.config import load_config
     from pipeline.trainer import chunked
-    from pipeline.trainer.step import TrainCore, logprobs
+    from pipeline.trainer.batches import logprobs
+    from pipeline.trainer.step import TrainCore
     from pipeline.trainer.synthetic import synthetic_batch
     from pipeline.weightsync.pinning import HostPins
     from pipeline.weightsync.plan import BucketPlan
