@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 from pipeline.tasks import arith
 from pipeline.types import PromptItem
@@ -59,22 +59,30 @@ def calculate(expr: str) -> str:
     return str(sum(terms))
 
 
-class Calculator:
-    """The environment of one rollout (pipeline/generator/envs.py)."""
+class ToolEnv:
+    """The environment of one rollout of a one-tool task (pipeline/generator/envs.py): a turn that starts
+    with CALL calls `tool` on the text after it (a bare CALL: on `question(prompt)`) and is answered
+    with the result between OBS_START and OBS_END; any other turn is the final answer. The calc and
+    lookup tasks share it, and with it one tool-call syntax."""
 
-    def __init__(self, item: PromptItem) -> None:
-        self.item = item
+    def __init__(self, item: PromptItem, tool: Callable[[str], str], question: Callable[[str], str]) -> None:
+        self.item, self.tool, self.question = item, tool, question
 
     def step(self, turn: str) -> str | None:
         turn = turn.strip()
         if not turn.startswith(CALL):
             return None  # a final answer
-        expr = turn[len(CALL):].strip() or expression_of(self.item.prompt)  # bare `?`: the question
-        return f"{OBS_START}{calculate(expr)}{OBS_END}"
+        arg = turn[len(CALL):].strip() or self.question(self.item.prompt)  # bare `?`: the question's
+        return f"{OBS_START}{self.tool(arg)}{OBS_END}"
+
+    def demonstration(self) -> list[str]:
+        """Model turn, observation, model turn: the bare tool call, its result, the result as the answer."""
+        result = self.tool(self.question(self.item.prompt))
+        return [CALL, f"{OBS_START}{result}{OBS_END}", result]
 
 
-def env(item: PromptItem) -> Calculator:
-    return Calculator(item)
+def env(item: PromptItem) -> ToolEnv:
+    return ToolEnv(item, calculate, expression_of)
 
 
 def final_answer(transcript: str) -> str:
@@ -86,6 +94,5 @@ def reward(prompt: str, completion: str) -> float:
 
 
 def demonstration(item: PromptItem) -> list[str]:
-    """Model turn, observation, model turn: the bare tool call, its result, the answer."""
-    result = calculate(expression_of(item.prompt))
-    return [CALL, f"{OBS_START}{result}{OBS_END}", result]
+    """The bare tool call, its result, the answer."""
+    return env(item).demonstration()

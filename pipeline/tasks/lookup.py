@@ -26,7 +26,7 @@ import string
 from typing import Iterator
 
 from pipeline.tasks import arith
-from pipeline.tasks.calc import CALL, OBS_END, OBS_START, final_answer  # one tool-call syntax for both tool tasks
+from pipeline.tasks.calc import ToolEnv, final_answer  # one tool-call syntax for both tool tasks
 from pipeline.types import PromptItem
 
 KEY = re.compile(r"[a-z]{3}")
@@ -58,22 +58,8 @@ def lookup(key: str) -> str:
     return code_of(key) if KEY.fullmatch(key) else "error"
 
 
-class Lookup:
-    """The environment of one rollout (pipeline/generator/envs.py)."""
-
-    def __init__(self, item: PromptItem) -> None:
-        self.item = item
-
-    def step(self, turn: str) -> str | None:
-        turn = turn.strip()
-        if not turn.startswith(CALL):
-            return None  # a final answer
-        key = turn[len(CALL):].strip() or key_of(self.item.prompt)  # bare `?`: the question's key
-        return f"{OBS_START}{lookup(key)}{OBS_END}"
-
-
-def env(item: PromptItem) -> Lookup:
-    return Lookup(item)
+def env(item: PromptItem) -> ToolEnv:
+    return ToolEnv(item, lookup, key_of)
 
 
 def reward(prompt: str, completion: str) -> float:
@@ -81,6 +67,5 @@ def reward(prompt: str, completion: str) -> float:
 
 
 def demonstration(item: PromptItem) -> list[str]:
-    """Model turn, observation, model turn: the bare tool call, its result, the copy."""
-    code = code_of(key_of(item.prompt))
-    return [CALL, f"{OBS_START}{code}{OBS_END}", code]
+    """The bare tool call, its result, the copy."""
+    return env(item).demonstration()
