@@ -378,18 +378,19 @@ def pytest_testnodedown(node, error):
 
 
 # ---------------------------------------------------------------- order: the slowest files first
-# Seconds per file in a run of the suite on this 2-core machine under two workers (`make test
-# PYTEST_ARGS=--durations=0`, 2026-11-27, run S1 of docs/tests.md, summed per file),
-# rounded; a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
+# Seconds per file in a run of the suite on the project's 2-core machine under two workers (`make test
+# PYTEST_ARGS=--durations=0`, summed per file, rounded; refresh them when a file's cost changes much); a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
-    "test_pipeline.py": 187, "test_family_engines.py": 172, "test_sync_matrix.py": 162, "test_signals.py": 162,
-    "test_reward_model.py": 133, "test_teacher.py": 150, "test_openenv.py": 200, "test_cluster.py": 170, "test_elastic_pool.py": 400, "test_chaos.py": 127, "test_multinode.py": 112, "test_smollm2_run.py": 112,
-    "test_chat_prompts.py": 95, "test_learning_signal.py": 88, "test_generator.py": 87, "test_trainer.py": 86,
-    "test_planner_run.py": 79, "test_faults.py": 64, "test_difficulty.py": 56, "test_notebook.py": 51,
-    "test_finite_tasks.py": 51, "test_verify.py": 44, "test_bf16.py": 42, "test_multiturn.py": 32,
-    "test_smollm2.py": 27, "test_lora.py": 23, "test_vllm_engine.py": 19, "test_weightsync_vllm.py": 14,
+    "test_elastic_pool.py": 351, "test_sync_matrix.py": 270, "test_pipeline.py": 262, "test_openenv.py": 245,
+    "test_signals.py": 227, "test_chaos.py": 177, "test_family_engines.py": 159, "test_reward_model.py": 152,
+    "test_multinode.py": 145, "test_planner_run.py": 134, "test_cluster.py": 117, "test_teacher.py": 117,
+    "test_smollm2_run.py": 115, "test_learning_signal.py": 114, "test_trainer.py": 99, "test_generator.py": 84,
+    "test_chat_prompts.py": 75, "test_faults.py": 74, "test_notebook.py": 62, "test_finite_tasks.py": 61,
+    "test_bf16.py": 52, "test_difficulty.py": 50, "test_multiturn.py": 33, "test_smollm2.py": 29,
+    "test_verify.py": 27, "test_lora.py": 25, "test_vllm_engine.py": 22, "test_weightsync_vllm.py": 17,
+    "test_recipes.py": 14,
 }
 
 
