@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
-from tools.compare import peer_compare, peer_trl
+from tools.compare import peer_compare
+from tools.lib import peer_trl
 
 
 def test_trl_settings_follow_the_project_config():

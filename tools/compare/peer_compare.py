@@ -11,7 +11,7 @@ Two kinds of config. One that warm-starts (configs/tiny.yaml, run.warm_start_ste
 and seed, the project side is a whole CLI run in sync mode (`python -m pipeline.run --config
 configs/tiny.yaml run.mode=sync run.seed=S ...`: every batch sampled by the version it trains, so
 both sides are on-policy), which takes --warm-start-steps supervised steps (default 15) and exports the
-warm start (out_dir/warm_start); the TRL side (tools/compare/peer_trl.py) starts GRPOTrainer from that
+warm start (out_dir/warm_start); the TRL side (tools/lib/peer_trl.py) starts GRPOTrainer from that
 export. One with run.warm_start_steps: 0 (a pretrained instruct checkpoint:
 configs/smollm2-135m-add.yaml) is compared as it is: its own task (--tasks defaults to its
 task.name), its own task.eval_samples, and the TRL side starts from its model.hf_dir as
@@ -68,7 +68,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.config import load_config as _load_config
 from pipeline.models.hf import resolved
 from pipeline.tasks import load_task
-from tools.compare.peer_trl import HFEval, check_task, require_trl, run_trl, trl_settings
+from tools.lib.peer_trl import HFEval, check_task, require_trl, run_trl, trl_settings
 from tools.lib.cli import run_to_dir
 from tools.lib.metrics import EVALS, read_rows
 from tools.lib.peer import (LABELS, PROJECT_SIDES, SIDES, by_step, clock_at, common_steps, plot, runs_of,
@@ -192,7 +192,7 @@ def project_side(args, task: str, seed: int, run_dir: Path) -> dict:
 
 
 def trl_side(args, task: str, seed: int, run_dir: Path) -> dict:
-    """TRL's GRPOTrainer from the `project` run's warm-start export, or from model.hf_dir (tools/compare/peer_trl.py)."""
+    """TRL's GRPOTrainer from the `project` run's warm-start export, or from model.hf_dir (tools/lib/peer_trl.py)."""
     cfg = load_config(args.config, common_overrides(args, task, seed))
     start = start_dir(args, cfg, run_dir, task, seed)
     res = run_trl(cfg, load_task(task, cfg.task), start, seed, args.steps, args.eval_every, run_dir, args.project_mode)
