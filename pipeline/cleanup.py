@@ -387,21 +387,3 @@ def _pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def exit_now(code: int) -> None:
-    """End the CLI with `code` once its run is over: the exit handlers run (Monarch's, logging's), the
-    streams are flushed, then the process leaves without the interpreter's teardown, which takes
-    2-3 s of garbage-collecting torch and Monarch for nothing at the end of every run."""
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed pipe: nothing left to flush
-                pass
-        os._exit(code)
-

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any
 
-from pipeline import cleanup, logs
+from pipeline import cleanup, logs, procs
 from pipeline.checkpoint import prepare_resume
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.driver.calls import RunError
@@ -180,4 +180,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cleanup.exit_now(main())
+    procs.exit_now(main())
