@@ -129,15 +129,20 @@ def _exit_now() -> None:
     if not _stopped_cleanly:
         return
     import logging
-    import sys
 
     logging.shutdown()
+    _flush_streams()
+    os._exit(0)
+
+
+def _flush_streams() -> None:
+    import sys
+
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a closed or broken stream: nothing left to flush
             pass
-    os._exit(0)
 
 
 def exit_now(code: int) -> None:
@@ -145,14 +150,9 @@ def exit_now(code: int) -> None:
     streams are flushed, then the process leaves without the interpreter's teardown, which takes
     2-3 s of garbage-collecting torch and Monarch for nothing at the end of every run."""
     import atexit
-    import sys
 
     try:
         atexit._run_exitfuncs()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed pipe: nothing left to flush
-                pass
+        _flush_streams()
         os._exit(code)

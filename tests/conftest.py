@@ -379,7 +379,8 @@ def pytest_testnodedown(node, error):
 
 # ---------------------------------------------------------------- order: the slowest files first
 # Seconds per file in a run of the suite on the project's 2-core machine under two workers (`make test
-# PYTEST_ARGS=--durations=0`, summed per file, rounded; refresh them when a file's cost changes much); a file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
+# PYTEST_ARGS=--durations=0`, summed per file, rounded; refresh them when a file's cost changes much); a
+# file not listed counts as quick. Under `make test`'s two workers (--dist loadfile) a file goes whole
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
