@@ -436,6 +436,24 @@ def test_feeds_the_real_replay_buffer(env):
     assert int(mask.sum()) == batch.num_samples * MAX_NEW
 
 
+def test_the_engine_core_is_the_generator_procs_child_on_the_cores_vllm_chose(env):
+    """The engine core is forked from the generator proc (pipeline/generator/llm.py): it is that proc's
+    child, and its OpenMP settings are still the ones vLLM's executor chose for it, which a forked
+    process's OpenMP does not read from the environment: every thread runs on those cores only."""
+    loop, gen, _, _ = env
+    if "died" in (loop.run_until_complete(gen.stats.call_one()).get("error") or ""):
+        pytest.skip("the engine was killed by an earlier test of this module; run this test alone")
+    cores = [p for p, _ in descendants(os.getpid()) if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(cores) == 1, cores
+    core = cores[0]
+    proc = int(Path(f"/proc/{core}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert b"EngineCore" not in Path(f"/proc/{proc}/cmdline").read_bytes()  # the generator proc itself
+    allowed = os.sched_getaffinity(proc)
+    if len(allowed) > 1:  # vLLM keeps a core for the generator proc
+        for t in os.listdir(f"/proc/{core}/task"):
+            assert os.sched_getaffinity(int(t)) < allowed, (t, os.sched_getaffinity(int(t)), allowed)
+
+
 def test_engine_core_killed_during_a_weight_apply_fails_it_within_seconds(env):
     """Runs last: it kills the module's engine. An engine call in flight when the core dies never
     returns; the apply (pause, load, label, resume) must fail within seconds naming the dead engine,
