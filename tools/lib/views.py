@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tools.lib import peer
 from tools.lib.metrics import eval_points, read_rows
-from tools.lib.report import plot_accuracy, plot_learning_curves, plot_modes, plot_recipes
+from tools.lib.report import plot_accuracy, plot_engine_start, plot_learning_curves, plot_modes, plot_recipes
 
 
 class DataError(Exception):
@@ -76,8 +76,13 @@ def draw_peer(root: Path, spec: dict, out: Path, text: dict) -> Path:
     return peer.plot(load_json(root / spec["results"]), out, text=text)
 
 
+def draw_engine_start(root: Path, spec: dict, out: Path, text: dict) -> Path:
+    """{"results": tools.bench.engine_start's engine_start.json}: tools.lib.report.plot_engine_start."""
+    return plot_engine_start(load_json(root / spec["results"])["rows"], out, text=text)
+
+
 PLOTS = {"accuracy": draw_accuracy, "learning_curves": draw_learning_curves, "modes": draw_modes,
-         "recipes": draw_recipes, "peer": draw_peer}
+         "recipes": draw_recipes, "peer": draw_peer, "engine_start": draw_engine_start}
 
 
 # ---- tables: a marker's view= names ----
@@ -247,6 +252,26 @@ def async_vs_sync(path: Path):
             for m in load_json(path)["summary"]]
     return ["mode", "trained samples/s", "trained tokens/s", "trainer idle", "generator idle", "mean staleness",
             "dropped samples"], rows
+
+
+def engine_start(path: Path):
+    """tools/bench/engine_start.py's engine_start.json: median (min..max) over the starts, per way, and the
+    ratios of the medians."""
+    rows = load_json(path)["rows"]
+    out = []
+    for way, name in (("fork", "forked from the generator's process"), ("spawn", "spawned (vLLM's CPU default)")):
+        mine = [r for r in rows if r["way"] == way]
+        out.append([name, str(len(mine)), median_range([r["start_s"] for r in mine], ".1f"),
+                    median_range([r["core_cpu_s"] for r in mine], ".1f"), median_range([r["tok_s"] for r in mine], ".0f")])
+    med = {w: {k: statistics.median(r[k] for r in rows if r["way"] == w) for k in ("start_s", "core_cpu_s", "tok_s")}
+           for w in ("fork", "spawn")}
+    out.append(["forked / spawned (medians)", "", f"**{med['fork']['start_s'] / med['spawn']['start_s']:.2f}x**",
+                f"{med['fork']['core_cpu_s'] / med['spawn']['core_cpu_s']:.2f}x",
+                f"{med['fork']['tok_s'] / med['spawn']['tok_s']:.2f}x"])
+    return ["engine core", "starts", "engine start (s)", "core CPU at ready (s)", "tokens/s"], out
+
+
+VIEWS["engine_start"] = engine_start
 
 
 def trainer_ragged(folder: Path):
