@@ -1,8 +1,9 @@
-"""Control a running CLI job from another shell: resize its generator pool, or ask how it stands.
+"""Control a running CLI job from another shell: resize its generator pool, ask how it stands, or stop it.
 
     python -m pipeline.control OUT_DIR generators=3        # grow or shrink to 3 generators; waits for it
     python -m pipeline.control OUT_DIR status              # the pool: each generator's state, version, pid
     python -m pipeline.control OUT_DIR generators=1 --timeout 120
+    python -m pipeline.control OUT_DIR stop                # end after the step in flight, as at run.steps
 
 OUT_DIR is the run's run.out_dir. The command writes a request file OUT_DIR/control/req-<id>.json
 (written under a temporary name and renamed, so the run never reads half of one) and waits for the
@@ -10,8 +11,10 @@ reply OUT_DIR/control/rep-<id>.json. The run (`Control`, a task beside the train
 supervisor in pipeline/driver/loop.py) looks for requests every POLL_S, applies each beside training
 (pipeline/driver/pool.py: a joining generator starts on the trainer's weights and joins at the next
 push boundary; a leaving one drains or aborts by generator.on_update) and writes the reply. Growing
-removes nothing and shrinking removes the newest generators first. The run announces itself in
-OUT_DIR/control/driver.json (its pid and host) while it runs.
+removes nothing and shrinking removes the newest generators first. `stop` ends the run after the
+step in flight as if it had reached run.steps (final eval, HF export, summary.json with "ended":
+"control", exit 0); the reply comes at once. The run announces itself in OUT_DIR/control/driver.json
+(its pid and host) while it runs.
 
 Exit codes: 0 done (the reply is printed as JSON); 2 bad input (generators=0, a non-integer, an
 unknown command); 1 no run is running in OUT_DIR, it did not answer within --timeout (default 600 s,
@@ -101,6 +104,11 @@ class Control:
         pool = self.job.pool
         if body.get("op") == "status":
             return {"status": pool.status()}
+        if body.get("op") == "stop":
+            log.warning("control: stop requested at version %d (run.steps=%d)", self.job.version,
+                        self.job.cfg.run.steps)
+            self.job.stop_requested = True
+            return {"stopping": True, "version": self.job.version}
         if body.get("op") != "generators":
             raise ValueError(f"unknown request {body!r}")
         n = int(body["n"])
@@ -143,16 +151,16 @@ def running(out: Path) -> str | None:
 
 def parse(argv: list[str]) -> tuple[Path, dict, float]:
     ap = argparse.ArgumentParser(prog="python -m pipeline.control",
-                                 description="Resize a running job's generator pool, or show it.")
+                                 description="Resize a running job's generator pool, show it, or stop the job.")
     ap.add_argument("out_dir", help="the run's run.out_dir")
-    ap.add_argument("command", help="generators=N | status")
+    ap.add_argument("command", help="generators=N | status | stop")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the run's answer")
     a = ap.parse_args(argv)
-    if a.command == "status":
-        return Path(a.out_dir), {"op": "status"}, a.timeout
+    if a.command in ("status", "stop"):
+        return Path(a.out_dir), {"op": a.command}, a.timeout
     key, sep, value = a.command.partition("=")
     if key != "generators" or not sep:
-        raise SystemExit(f"pipeline.control: unknown command {a.command!r}; use generators=N or status")
+        raise SystemExit(f"pipeline.control: unknown command {a.command!r}; use generators=N, status or stop")
     try:
         n = int(value)
     except ValueError:

@@ -59,6 +59,8 @@ def print_summary(cfg: Config, summary: dict) -> None:
     if summary.get("ended") == "data":
         print(f"   end of data: {summary['stats']['buffer']['data_epoch']:g} epochs of prompts drawn "
               f"(run.epochs={cfg.run.epochs}), before run.steps={cfg.run.steps}")
+    if summary.get("ended") == "control":
+        print(f"   stopped by pipeline.control at trainer version {summary['version']}, before run.steps={cfg.run.steps}")
     buf = (summary.get("stats") or {}).get("buffer") or {}
     if buf.get("prompts_set_aside"):
         print(f"   difficulty filter: {buf['prompts_set_aside']} times a prompt was set aside (its groups kept one "

@@ -384,14 +384,15 @@ def pytest_testnodedown(node, error):
 # to whichever worker is free, in this order, so the long ones start first and the quick ones fill the
 # gaps at the end instead of one long file running alone after the rest.
 FILE_SECONDS = {
-    "test_elastic_pool.py": 351, "test_sync_matrix.py": 270, "test_pipeline.py": 262, "test_openenv.py": 245,
-    "test_signals.py": 227, "test_chaos.py": 177, "test_family_engines.py": 159, "test_reward_model.py": 152,
-    "test_multinode.py": 145, "test_planner_run.py": 134, "test_cluster.py": 117, "test_teacher.py": 117,
-    "test_smollm2_run.py": 115, "test_learning_signal.py": 114, "test_trainer.py": 99, "test_generator.py": 84,
-    "test_chat_prompts.py": 75, "test_faults.py": 74, "test_notebook.py": 62, "test_finite_tasks.py": 61,
-    "test_bf16.py": 52, "test_difficulty.py": 50, "test_multiturn.py": 33, "test_smollm2.py": 29,
-    "test_verify.py": 27, "test_lora.py": 25, "test_vllm_engine.py": 22, "test_weightsync_vllm.py": 17,
-    "test_recipes.py": 14,
+    "test_sync_matrix.py": 243, "test_openenv.py": 135, "test_signals.py": 129, "test_pipeline.py": 126,
+    "test_elastic_pool.py": 120, "test_smollm2_run.py": 118, "test_multinode.py": 111, "test_chaos.py": 109,
+    "test_reward_model.py": 105, "test_family_engines.py": 102, "test_planner_run.py": 88, "test_teacher.py": 85,
+    "test_trainer.py": 84, "test_cluster.py": 80, "test_learning_signal.py": 76, "test_generator.py": 52,
+    "test_chat_prompts.py": 49, "test_bf16.py": 48, "test_finite_tasks.py": 47, "test_faults.py": 43,
+    "test_notebook.py": 41, "test_difficulty.py": 37, "test_multiturn.py": 31, "test_smollm2.py": 30,
+    "test_verify.py": 21, "test_lora.py": 19, "test_vllm_engine.py": 19, "test_weightsync_vllm.py": 16,
+    "test_config.py": 15, "test_end_of_turn.py": 14, "test_recipes.py": 13, "test_trainer_core.py": 13,
+    "test_weightsync_transports.py": 12,
 }
 
 

@@ -120,15 +120,16 @@ def wait_steps(p: subprocess.Popen, out: Path, n: int, log: Path, timeout_s: flo
 
 @pytest.mark.slow
 def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing(tmp_path):
-    """A tiny run goes 1 -> 2 -> 1 generators through pipeline.control while it trains (verify=every):
-    it ends 0; each trained group is trained once, whole; the accounting identity holds and no group was
+    """A tiny run goes 1 -> 2 -> 1 generators through pipeline.control while it trains (verify=every),
+    then `pipeline.control stop` ends it: it ends 0 as at run.steps (summary, export), after the step in
+    flight; each trained group is trained once, whole; the accounting identity holds and no group was
     dropped for the change; staleness stays within buffer.max_staleness; every push was verified; the
     joining generator was verified and its first tokens carry the version it was spawned with."""
     out, log_path = tmp_path / "run", tmp_path / "log.txt"
     G, B, eta = 8, 8, 1
-    # long enough that the run is still training once the joiner's engine is up on 2 loaded cores (an
-    # engine start there takes 40-120 s, while a tiny step takes 0.4-1.5 s)
-    STEPS = 120
+    # far more steps than the test takes: the run is still training however long the joiner's engine
+    # takes to start on 2 loaded cores, and the stop below ends it
+    STEPS = 5000
     cmd = [sys.executable, "-m", "pipeline.run", "--config", "configs/tiny.yaml", f"run.steps={STEPS}", "run.eval_every=0",
            "run.warm_start_steps=15", f"run.out_dir={out}", "run.progress=false", "weight_sync.verify=every",
            f"run.log_rollouts={G * B}", "run.checkpoint_every=0", f"buffer.max_staleness={eta}",
@@ -148,6 +149,9 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
         assert json.loads(shrink.stdout)["removed"] == [1]
         last = control(out, "generators=0")
         assert last.returncode == 2
+        wait_steps(p, out, steps(out) + 1, log_path)  # a step on the one generator left
+        stop = control(out, "stop")
+        assert stop.returncode == 0 and json.loads(stop.stdout)["stopping"] is True, stop.stderr
         rc = p.wait(timeout=400)
     finally:
         if p.poll() is None:
@@ -155,9 +159,12 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
         log.close()
     text = log_path.read_text()
     assert rc == 0, text[-4000:]
+    assert "stopped by pipeline.control at trainer version" in text, text[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["generators"] == [0]
-    assert summary["pushes"]["started"] == summary["pushes"]["verified"] == STEPS
+    n = summary["steps"]
+    assert summary["ended"] == "control" and 3 <= n < STEPS and summary["generators"] == [0]
+    assert summary["pushes"]["started"] == summary["pushes"]["verified"] == n
+    assert (out / "hf_checkpoint").is_dir()
 
     events = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
     assert [e["kind"] for e in events] == ["added", "removed"], events
@@ -175,7 +182,7 @@ def test_cli_run_grows_to_two_generators_and_back_losing_and_duplicating_nothing
     by_group = defaultdict(list)
     for r in rows:
         by_group[r["group_id"]].append(r["step"])
-    assert len(rows) == STEPS * G * B
+    assert len(rows) == n * G * B
     assert all(len(s) == G and len(set(s)) == 1 for s in by_group.values())  # each group once, whole
     assert max(r["staleness"] for r in rows) <= eta
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

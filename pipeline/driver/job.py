@@ -117,6 +117,7 @@ class Job:
         self.fleet = Fleet(self.cfg, self.placement)
         self.supervisor = Supervisor(self.cfg, self.fleet, RestartWiring(self))
         self.pool = Pool(self)  # generators added and removed while the run goes on
+        self.stop_requested = False  # `python -m pipeline.control OUT_DIR stop`: end after the step in flight
         self.generating = False  # start_generation ran: a generator that joins starts generating too
         self.evaluation = Evaluation(self.cfg, self.task, self.fleet, self.supervisor.report)
         self.procs: list[Any] = []  # the trainer's and the buffer's proc meshes

@@ -104,7 +104,8 @@ class TrainLoop:
         self.job, self.publish, self.hooks = job, publish, hooks
 
     async def run(self, first_step: int = 1) -> dict:
-        """Steps first_step..run.steps (or to the end of data); the summary's loop fields."""
+        """Steps first_step..run.steps (or to the end of data, a hook's early stop, or a control stop); the
+        summary's loop fields ("ended": steps, data, control or the hook's reason)."""
         job, last, ended = self.job, first_step - 1, "steps"
         try:
             await self.hooks.start(first_step)
@@ -119,6 +120,10 @@ class TrainLoop:
                 await self.hooks.after_step(step, metrics, batch)
                 if (stop := self.hooks.stopping()) is not None:  # a hook ends the run early (no_signal)
                     ended = stop
+                    break
+                if job.stop_requested:  # pipeline.control stop: a normal end, before run.steps
+                    log.warning("stopped after step %d by pipeline.control (run.steps=%d)", step, job.cfg.run.steps)
+                    ended = "control"
                     break
             await job.sync.wait()
             done = await self.hooks.finish(last, ended)
