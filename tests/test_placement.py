@@ -66,6 +66,17 @@ def test_generators_split_their_hosts_cores_and_bind_vllm_worker_threads():
         generator_placements(load_config(None, ["generator.cpus=0-2", "generator.tensor_parallel_size=2"]), [0, 0], 1)
 
 
+def test_a_forked_engine_core_reads_its_cores_from_each_openmp_binding_vllm_writes():
+    """The forked engine core binds itself (pipeline/generator/llm.py), since its OpenMP was loaded before
+    vLLM's executor wrote the binding: GNU OpenMP's list and ranges, OMP_PLACES, Intel's proclist."""
+    from pipeline.generator.llm import omp_cpus
+
+    assert omp_cpus({"GOMP_CPU_AFFINITY": "0 1 4-6"}) == {0, 1, 4, 5, 6}
+    assert omp_cpus({"OMP_PLACES": "{2,3}", "OMP_PROC_BIND": "true"}) == {2, 3}
+    assert omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,5]"}) == {0, 5}
+    assert omp_cpus({"OMP_NUM_THREADS": "4"}) == set()  # no binding: the core keeps its parent's cores
+
+
 def test_default_gpu_assignment_gives_each_rank_and_generator_its_own_gpu():
     cfg = load_config(None, [*GPU, "trainer.num_ranks=4", "generator.num_generators=2",
                              "generator.tensor_parallel_size=2"])

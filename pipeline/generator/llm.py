@@ -94,7 +94,7 @@ _fork_hook = False
 def _forking(build):
     """`build()` (an AsyncLLM constructor) on a new thread, with vLLM's engine core forked from this
     process instead of spawned: the core starts with this process's imports of torch and vLLM instead
-    of its own (about 6 CPU seconds on 2 cores). The thread is new so that the core's one thread has no
+    of its own (about 9 CPU seconds on 2 cores, tools/bench/engine_start.py). The thread is new so that the core's one thread has no
     OpenMP pool, no signal mask and no Monarch actor context of the thread that asked; the core then
     resets what a forked child inherits and a spawned one does not (`_core_after_fork`)."""
     global _fork_hook
@@ -148,18 +148,27 @@ def _core_after_fork(_) -> None:
     cleanup.exit_with_parent()
 
 
-def _omp_from_env() -> None:
-    """OpenMP's thread count and cores from the environment vLLM's executor set for this core
-    (OMP_NUM_THREADS, GOMP_CPU_AFFINITY or OMP_PLACES), which a forked process's OpenMP, loaded
-    before, does not read again."""
+def omp_cpus(env) -> set[int]:
+    """The cores an OpenMP environment binds to, as vLLM's executor writes it for GNU OpenMP
+    (GOMP_CPU_AFFINITY "0 1 2-3"), another OpenMP (OMP_PLACES "{0,1}") or Intel's
+    (KMP_AFFINITY "...,proclist=[0,1]"); empty when it binds none."""
     import re
 
-    import torch
-
+    kmp = re.search(r"proclist=\[([^\]]*)\]", env.get("KMP_AFFINITY", ""))
+    spec = env.get("GOMP_CPU_AFFINITY") or env.get("OMP_PLACES") or (kmp.group(1) if kmp else "")
     cpus: set[int] = set()
-    spec = os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_PLACES") or ""
     for a, b in re.findall(r"(\d+)(?:-(\d+))?", spec):
         cpus.update(range(int(a), int(b or a) + 1))
+    return cpus
+
+
+def _omp_from_env() -> None:
+    """OpenMP's thread count and cores from the environment vLLM's executor set for this core
+    (OMP_NUM_THREADS and `omp_cpus`), which a forked process's OpenMP, loaded before, does not read
+    again."""
+    import torch
+
+    cpus = omp_cpus(os.environ)
     if cpus:
         os.sched_setaffinity(0, cpus)
     n = os.environ.get("OMP_NUM_THREADS", "")
