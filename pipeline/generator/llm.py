@@ -154,12 +154,11 @@ def omp_cpus(env) -> set[int]:
     (KMP_AFFINITY "...,proclist=[0,1]"); empty when it binds none."""
     import re
 
+    from pipeline.config.ids import parse_ids
+
     kmp = re.search(r"proclist=\[([^\]]*)\]", env.get("KMP_AFFINITY", ""))
     spec = env.get("GOMP_CPU_AFFINITY") or env.get("OMP_PLACES") or (kmp.group(1) if kmp else "")
-    cpus: set[int] = set()
-    for a, b in re.findall(r"(\d+)(?:-(\d+))?", spec):
-        cpus.update(range(int(a), int(b or a) + 1))
-    return cpus
+    return set(parse_ids(",".join(re.sub(r"[{},]", " ", spec).split())))  # as cpuset syntax
 
 
 def _omp_from_env() -> None:

@@ -20,13 +20,12 @@ import asyncio
 import csv
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tools.lib.report import plot_engine_start
+from tools.lib.report import engine_start_summary, plot_engine_start
 
 WAYS = ("fork", "spawn")
 
@@ -81,17 +80,6 @@ def one(way: str, config: str | None, prompts: int, max_new: int, concurrency: i
     return {"start_s": start_s, "core_cpu_s": core_cpu, "tok_s": n / secs, "tokens": n}
 
 
-def summary(rows: list[dict]) -> dict:
-    out = {}
-    for way in WAYS:
-        mine = [r for r in rows if r["way"] == way]
-        out[way] = {k: {"median": statistics.median(r[k] for r in mine), "min": min(r[k] for r in mine),
-                        "max": max(r[k] for r in mine)} for k in ("start_s", "core_cpu_s", "tok_s")}
-    out["ratio_fork_over_spawn"] = {k: out["fork"][k]["median"] / out["spawn"][k]["median"]
-                                    for k in ("start_s", "core_cpu_s", "tok_s")}
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench.engine_start", description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3, help="starts per way")
@@ -124,7 +112,7 @@ def main() -> int:
             r = rows[-1]
             say(f"{way:5s} rep {rep}: start {r['start_s']:.1f} s, core CPU {r['core_cpu_s']:.1f} s, "
                 f"{r['tok_s']:.0f} tok/s")
-    s = summary(rows)
+    s = engine_start_summary(rows)
     with open(out / "engine_start.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -209,6 +209,23 @@ def plot_recipes(results: list[dict], path: str | Path, text: dict[str, str] | N
     return save(fig, path, dpi=80, text=text)
 
 
+ENGINE_START_KEYS = ("start_s", "core_cpu_s", "tok_s")
+
+
+def engine_start_summary(rows: list[dict]) -> dict:
+    """tools.bench.engine_start's rows: per way (fork, spawn) the median, min and max of each figure, and
+    the ratios of the medians fork/spawn."""
+    import statistics
+
+    out: dict = {}
+    for way in ("fork", "spawn"):
+        mine = [r for r in rows if r["way"] == way]
+        out[way] = {k: {"median": statistics.median(r[k] for r in mine), "min": min(r[k] for r in mine),
+                        "max": max(r[k] for r in mine)} for k in ENGINE_START_KEYS}
+    out["ratio_fork_over_spawn"] = {k: out["fork"][k]["median"] / out["spawn"][k]["median"] for k in ENGINE_START_KEYS}
+    return out
+
+
 def plot_engine_start(rows: list[dict], path: str | Path, text: dict[str, str] | None = None) -> Path:
     """tools.bench.engine_start's rows: start seconds, core CPU seconds and tokens/s, each start a dot,
     the median a bar, forked beside spawned."""

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tools.lib import peer
 from tools.lib.metrics import eval_points, read_rows
-from tools.lib.report import plot_accuracy, plot_engine_start, plot_learning_curves, plot_modes, plot_recipes
+from tools.lib.report import (engine_start_summary, plot_accuracy, plot_engine_start, plot_learning_curves, plot_modes,
+                              plot_recipes)
 
 
 class DataError(Exception):
@@ -256,18 +257,15 @@ def async_vs_sync(path: Path):
 
 def engine_start(path: Path):
     """tools/bench/engine_start.py's engine_start.json: median (min..max) over the starts, per way, and the
-    ratios of the medians."""
+    ratios of the medians (tools.lib.report.engine_start_summary)."""
     rows = load_json(path)["rows"]
-    out = []
-    for way, name in (("fork", "forked from the generator's process"), ("spawn", "spawned (vLLM's CPU default)")):
-        mine = [r for r in rows if r["way"] == way]
-        out.append([name, str(len(mine)), median_range([r["start_s"] for r in mine], ".1f"),
-                    median_range([r["core_cpu_s"] for r in mine], ".1f"), median_range([r["tok_s"] for r in mine], ".0f")])
-    med = {w: {k: statistics.median(r[k] for r in rows if r["way"] == w) for k in ("start_s", "core_cpu_s", "tok_s")}
-           for w in ("fork", "spawn")}
-    out.append(["forked / spawned (medians)", "", f"**{med['fork']['start_s'] / med['spawn']['start_s']:.2f}x**",
-                f"{med['fork']['core_cpu_s'] / med['spawn']['core_cpu_s']:.2f}x",
-                f"{med['fork']['tok_s'] / med['spawn']['tok_s']:.2f}x"])
+    s = engine_start_summary(rows)
+    cell = lambda m, f: f"{m['median']:{f}} ({m['min']:{f}}..{m['max']:{f}})"  # noqa: E731
+    out = [[name, str(sum(r["way"] == way for r in rows)), cell(s[way]["start_s"], ".1f"),
+            cell(s[way]["core_cpu_s"], ".1f"), cell(s[way]["tok_s"], ".0f")]
+           for way, name in (("fork", "forked from the generator's process"), ("spawn", "spawned (vLLM's CPU default)"))]
+    r = s["ratio_fork_over_spawn"]
+    out.append(["forked / spawned (medians)", "", f"**{r['start_s']:.2f}x**", f"{r['core_cpu_s']:.2f}x", f"{r['tok_s']:.2f}x"])
     return ["engine core", "starts", "engine start (s)", "core CPU at ready (s)", "tokens/s"], out
 
 
